@@ -1,0 +1,145 @@
+"""The `motet` command: builds settings from flags and composes the parts.
+
+stdout carries only what the user asked for (answers, info); logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .runtime.config import ModelSettings, SamplingSettings
+
+log = logging.getLogger("motet")
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=None,
+                   help="a .gguf file or a Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--max-context", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--compile-cache", type=Path,
+                   default=Path(os.environ.get("MOTET_COMPILE_CACHE", Path.home() / ".cache" / "motet" / "jax")),
+                   help="JAX persistent compilation cache directory ('' to disable)")
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="motet", description="motet: an MoE LLM inference engine")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+    chat = sub.add_parser("chat", help="answer a prompt (or chat interactively), streamed")
+    chat.add_argument("prompt", nargs="?", help="one-shot prompt; without it, an interactive loop")
+    chat.add_argument("--system", default=None, help="a system message")
+    _add_model_flags(chat)
+    _add_sampling_flags(chat)
+    info = sub.add_parser("info", help="describe the model")
+    _add_model_flags(info)
+    return parser
+
+
+def model_settings(args) -> ModelSettings:
+    cache = args.compile_cache if str(args.compile_cache) not in ("", ".") else None
+    return ModelSettings(path=args.model, dtype=args.dtype, max_context=args.max_context, compile_cache=cache)
+
+
+def sampling_settings(args) -> SamplingSettings:
+    return SamplingSettings(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed)
+
+
+def open_model(settings: ModelSettings):
+    import jax
+
+    if settings.compile_cache is not None:
+        jax.config.update("jax_compilation_cache_dir", str(settings.compile_cache))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    from .model import load_model
+
+    log.info("loading %s", settings.path or "the default model (SmolLM2-135M-Instruct)")
+    return load_model(settings.path, dtype=settings.dtype, max_context=settings.max_context)
+
+
+def cmd_info(args) -> int:
+    model = open_model(model_settings(args))
+    info = model.info()
+    width = max(map(len, info))
+    for key, value in info.items():
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def _answer(model, messages: list[dict], sampling: SamplingSettings) -> str:
+    from .model.detokenizer import IncrementalDetokenizer
+    from .model.generate import generate
+
+    ids = model.tokenizer.encode(model.render_chat(messages))
+    detok = IncrementalDetokenizer(model.tokenizer)
+    parts = []
+    for token in generate(model, ids, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                          top_p=sampling.top_p, seed=sampling.seed):
+        text = detok.push(token)
+        if text:
+            parts.append(text)
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    tail = detok.flush()
+    parts.append(tail)
+    sys.stdout.write(tail + "\n")
+    sys.stdout.flush()
+    return "".join(parts)
+
+
+def cmd_chat(args) -> int:
+    sampling = sampling_settings(args)
+    model = open_model(model_settings(args))
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    if args.prompt is not None:
+        _answer(model, messages + [{"role": "user", "content": args.prompt}], sampling)
+        return 0
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stderr.write("> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        messages.append({"role": "assistant", "content": _answer(model, messages, sampling)})
+
+
+COMMANDS = {"chat": cmd_chat, "info": cmd_info}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="motet: %(message)s")
+    # JAX reports each accelerator plugin it did not find; that is not news on a CPU host.
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
+    from .model.errors import ModelError
+
+    try:
+        return COMMANDS[args.command](args)
+    except (ModelError, ValueError) as exc:
+        print(f"motet: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Prefill into a KV slot and batched decode over slots: the calls a runner makes, and a
+plain single-stream generator on top of them (for `motet chat` and for checks)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from .errors import ContextLengthError
+from .forward import decode, prefill, write_chunk, write_rows
+from .kv import KVGeometry, batch_bucket, bucket, init_kv
+from .model import Model
+from .sampling import request_key, sample
+
+
+def prefill_slot(model: Model, kv, geo: KVGeometry, slot: int, ids: Sequence[int], offset: int,
+                 moe_impl: str = "auto"):
+    """Run `ids` into `slot` from position `offset` in chunks of at most geo.chunk tokens.
+
+    Returns (logits [vocab] after the last token, the updated kv).
+    """
+    k, v = kv
+    logits = None
+    for start in range(0, len(ids), geo.chunk):
+        chunk = np.asarray(ids[start : start + geo.chunk], np.int32)
+        padded = np.zeros(bucket(len(chunk), cap=geo.chunk), np.int32)
+        padded[: len(chunk)] = chunk
+        pos = offset + start
+        hist_len = bucket(pos, cap=geo.length) if pos else 0
+        logits, new_k, new_v = prefill(
+            model.weights, k, v, jnp.asarray(padded), slot, pos, len(chunk),
+            cfg=model.config, hist_len=hist_len, moe_impl=moe_impl,
+        )
+        k, v = write_chunk(k, v, new_k, new_v, slot, pos)
+    return logits, (k, v)
+
+
+def decode_step(model: Model, kv, geo: KVGeometry, tokens: Sequence[int], slots: Sequence[int],
+                positions: Sequence[int], moe_impl: str = "auto"):
+    """One batched step: row i feeds tokens[i] at positions[i] of slots[i].
+
+    Rows are padded to a batch bucket with rows that write to the scratch slot.
+    Returns (logits [rows, vocab] for the real rows, the updated kv).
+    """
+    n = len(tokens)
+    b = batch_bucket(n)
+    tok = np.zeros(b, np.int32)
+    slot = np.full(b, geo.scratch_slot, np.int32)
+    pos = np.zeros(b, np.int32)
+    tok[:n], slot[:n], pos[:n] = tokens, slots, positions
+    hist_len = bucket(int(pos.max()), cap=geo.length)
+    k, v = kv
+    logits, new_k, new_v = decode(
+        model.weights, k, v, jnp.asarray(tok), jnp.asarray(slot), jnp.asarray(pos),
+        cfg=model.config, hist_len=hist_len, moe_impl=moe_impl,
+    )
+    k, v = write_rows(k, v, new_k, new_v, jnp.asarray(slot), jnp.asarray(pos))
+    return logits[:n], (k, v)
+
+
+def generate(model: Model, prompt_ids: Sequence[int], *, max_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0, max_context: int | None = None,
+             chunk: int = 512) -> Iterator[int]:
+    """Yield sampled token ids one by one until an end-of-turn token, max_tokens or the
+    end of the context. The end-of-turn token itself is not yielded."""
+    limit = min(max_context or model.config.max_context, model.config.max_context)
+    if len(prompt_ids) == 0:
+        raise ValueError("the prompt is empty")
+    if len(prompt_ids) >= limit:
+        raise ContextLengthError(len(prompt_ids), limit)
+    geo = KVGeometry(n_slots=1, max_context=limit, chunk=chunk)
+    kv = init_kv(model.config, geo, model.weights["embed"].dtype)
+    logits, kv = prefill_slot(model, kv, geo, 0, prompt_ids, 0)
+    logits = logits[None]
+    key = request_key(seed)[None]
+    temp, nucleus = jnp.asarray([temperature], jnp.float32), jnp.asarray([top_p], jnp.float32)
+    position = len(prompt_ids)
+    eos = model.tokenizer.eos_ids
+    for _ in range(max_tokens):
+        token, _, key, _, _ = sample(logits, temp, nucleus, key)
+        token_id = int(token[0])
+        if token_id in eos:
+            return
+        yield token_id
+        if position >= limit:
+            return
+        logits, kv = decode_step(model, kv, geo, [token_id], [0], [position])
+        position += 1

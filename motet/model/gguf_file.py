@@ -1,0 +1,132 @@
+"""Open a GGUF file: its metadata as plain Python values, and its tensors dequantized."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ModelFileError, UnsupportedModelError
+
+GGUF_MAGIC = b"GGUF"
+
+
+def open_gguf(path: Path):
+    import gguf
+
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ModelFileError(f"{path}: not a GGUF file (bad magic)")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except (ValueError, IndexError, OSError, KeyError) as exc:
+        raise ModelFileError(f"{path}: damaged or truncated GGUF file: {exc}") from exc
+
+
+def gguf_metadata(reader) -> dict[str, object]:
+    """Every key/value field as a str, int, float, bool or list of those."""
+    meta: dict[str, object] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = field.contents()
+        if isinstance(value, list) and value and isinstance(value[0], (np.integer, np.floating)):
+            value = [v.item() for v in value]
+        elif isinstance(value, (np.integer, np.floating, np.bool_)):
+            value = value.item()
+        meta[key] = value
+    return meta
+
+
+def dequantize_tensor(path: Path, tensor) -> np.ndarray:
+    """A tensor as float32 in numpy (row-major, GGUF's dims reversed)."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    kind = tensor.tensor_type
+    if kind == Q.F32:
+        out = np.asarray(tensor.data, dtype=np.float32)
+    elif kind in (Q.F16, Q.F64, Q.I8, Q.I16, Q.I32):
+        out = np.asarray(tensor.data).astype(np.float32)
+    else:
+        try:
+            out = gguf.quants.dequantize(tensor.data, kind)
+        except NotImplementedError as exc:
+            raise UnsupportedModelError(
+                f"{path}: tensor {tensor.name!r} uses quantization {kind.name}, "
+                "which cannot be dequantized"
+            ) from exc
+    if out.size != int(np.prod(shape)):
+        raise ModelFileError(
+            f"{path}: tensor {tensor.name!r} has {out.size} values, expected shape {shape}"
+        )
+    return out.reshape(shape).astype(np.float32, copy=False)
+
+
+_GGUF_NAMES = {
+    "token_embd": "embed",
+    "output_norm": "final_norm",
+    "output": "lm_head",
+    "attn_norm": "attn_norm",
+    "attn_q": "q",
+    "attn_k": "k",
+    "attn_v": "v",
+    "attn_output": "o",
+    "attn_q_norm": "q_norm",
+    "attn_k_norm": "k_norm",
+    "ffn_norm": "ffn_norm",
+    "ffn_gate": "gate",
+    "ffn_up": "up",
+    "ffn_down": "down",
+    "ffn_gate_inp": "router",
+    "ffn_gate_exps": "experts.gate",
+    "ffn_up_exps": "experts.up",
+    "ffn_down_exps": "experts.down",
+}
+
+
+def canonical_gguf_name(name: str) -> str | None:
+    parts = name.removesuffix(".weight").split(".")
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_NAMES:
+        return f"{parts[1]}.{_GGUF_NAMES[parts[2]]}"
+    if len(parts) == 1 and parts[0] in _GGUF_NAMES:
+        return _GGUF_NAMES[parts[0]]
+    return None
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's converter, which interleaves each head's rotary halves.
+
+    On disk each head's rows are (x0, x_half, x1, x_half+1, ...); the forward uses the
+    Hugging Face half-split rotation, so put the rows back.
+    """
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+class GGUFSource:
+    """Canonical name → float32 array (Hugging Face orientation), dequantized on demand."""
+
+    def __init__(self, path: Path, reader, permuted_rope_heads: tuple[int, int] | None):
+        self.path = path
+        self.tensors = {}
+        for tensor in reader.tensors:
+            canon = canonical_gguf_name(tensor.name)
+            if canon is not None:
+                self.tensors[canon] = tensor
+        # (query heads, KV heads) when Q/K rows were permuted by llama.cpp's converter
+        self.permuted_rope_heads = permuted_rope_heads
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str) -> np.ndarray:
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise ModelFileError(f"{self.path}: tensor {name!r} not found")
+        w = dequantize_tensor(self.path, tensor)
+        kind = name.rpartition(".")[2]
+        if self.permuted_rope_heads and kind in ("q", "k"):
+            w = unpermute_rope_rows(w, self.permuted_rope_heads[kind == "k"])
+        return w

@@ -1,0 +1,52 @@
+"""The KV cache's geometry and its shape buckets.
+
+Shapes are bucketed so a new prompt length or context length reuses a compiled
+function: powers of two up to 1024, then multiples of 1024.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+
+from .config import ModelConfig
+
+MIN_BUCKET = 16
+
+
+def bucket(n: int, cap: int | None = None) -> int:
+    if n <= MIN_BUCKET:
+        size = MIN_BUCKET
+    elif n <= 1024:
+        size = 1 << (n - 1).bit_length()
+    else:
+        size = -(-n // 1024) * 1024
+    return size if cap is None else min(size, cap)
+
+
+def batch_bucket(n: int) -> int:
+    """Decode batch sizes 1, 2, 4, 8, 16, ... so a changing number of streams rarely recompiles."""
+    return 1 << (n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    n_slots: int  # conversations; one more scratch slot takes padded decode rows
+    max_context: int  # positions a conversation may use
+    chunk: int  # longest prefill chunk: padded chunk writes may run this far past the end
+
+    @property
+    def length(self) -> int:
+        return self.max_context + self.chunk
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.n_slots
+
+
+def init_kv(cfg: ModelConfig, geo: KVGeometry, dtype=jnp.float32):
+    shape = (geo.n_slots + 1, cfg.n_kv_heads, geo.length, cfg.head_dim)
+    k = [jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)]
+    v = [jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)]
+    return k, v

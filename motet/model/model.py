@@ -1,0 +1,74 @@
+"""`Model`: a loaded model's config, weights and tokenizer, with whole-sequence helpers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from .chat_template import CHATML_TEMPLATE, render_chat
+from .config import ModelConfig
+from .errors import ContextLengthError
+from .forward import prefill
+from .kv import bucket
+from .tokenizer import Tokenizer
+from .weights import count_parameters
+
+
+@dataclass
+class Model:
+    config: ModelConfig
+    weights: dict
+    tokenizer: Tokenizer
+    path: Path
+    dtype: str
+
+    @property
+    def chat_template(self) -> str:
+        return self.tokenizer.chat_template or CHATML_TEMPLATE
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return render_chat(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.tokenizer.bos_token or "",
+            eos_token=self.tokenizer.eos_token or "",
+        )
+
+    def logits(self, token_ids) -> np.ndarray:
+        """A full causal forward over the ids: float32 logits [len, vocab]."""
+        ids = np.asarray(token_ids, dtype=np.int32).reshape(-1)
+        n = len(ids)
+        if n == 0:
+            raise ValueError("logits() needs at least one token")
+        if n > self.config.max_context:
+            raise ContextLengthError(n, self.config.max_context)
+        padded = np.zeros(bucket(n), np.int32)
+        padded[:n] = ids
+        logits, _, _ = prefill(
+            self.weights, [], [], jnp.asarray(padded), 0, 0, n,
+            cfg=self.config, hist_len=0, all_logits=True,
+        )
+        return np.asarray(logits[:n])
+
+    def info(self) -> dict:
+        cfg = self.config
+        return {
+            "architecture": cfg.arch,
+            "path": str(self.path),
+            "layers": cfg.n_layers,
+            "hidden_size": cfg.hidden_size,
+            "heads": cfg.n_heads,
+            "kv_heads": cfg.n_kv_heads,
+            "head_dim": cfg.head_dim,
+            "experts": cfg.n_experts,
+            "experts_per_token": cfg.n_experts_per_tok,
+            "moe_layers": sum(cfg.moe_layers),
+            "vocab_size": cfg.vocab_size,
+            "max_context": cfg.max_context,
+            "parameters": count_parameters(self.weights),
+            "dtype": self.dtype,
+        }

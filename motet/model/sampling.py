@@ -1,0 +1,52 @@
+"""Sampling on the device: per-row temperature, top-p and PRNG key, so a batch that
+mixes greedy and sampled requests runs one compiled function."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+
+def request_key(seed: int) -> jax.Array:
+    """A request's raw PRNG key (uint32[2])."""
+    return jax.random.key_data(jax.random.key(seed))
+
+
+def _top_p_mask(logits: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Logits with the tail beyond each row's nucleus set to -inf (the top token is always kept)."""
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
+    keep_sorted = before < top_p[:, None]
+    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+@partial(jax.jit, static_argnames=("n_top",))
+def sample(logits, temperature, top_p, keys, *, n_top=0):
+    """Pick one token per row.
+
+    logits [b, v] float32; temperature, top_p [b]; keys [b, 2] uint32.
+    Returns (tokens [b], logprob of each token [b], next keys [b, 2],
+    top candidates' ids [b, n_top] and logprobs [b, n_top]). Logprobs are of the
+    model's distribution before temperature and top-p, as OpenAI reports them.
+    """
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    greedy = jnp.argmax(logits, axis=-1)
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    scaled = jax.lax.cond(
+        jnp.any(top_p < 1.0), lambda s: _top_p_mask(s, top_p), lambda s: s, scaled
+    )
+    split = jax.vmap(lambda k: jax.random.split(jax.random.wrap_key_data(k)))(keys)
+    use, nxt = split[:, 0], split[:, 1]
+    drawn = jax.vmap(jax.random.categorical)(use, scaled)
+    tokens = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+    token_logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logprobs, n_top) if n_top else (
+        jnp.zeros((logits.shape[0], 0), logits.dtype),
+        jnp.zeros((logits.shape[0], 0), jnp.int32),
+    )
+    return tokens, token_logprob, jax.random.key_data(nxt), top_ids, top_lp

@@ -1,0 +1,100 @@
+"""Pack a model's tensors into the pytree the forward functions take.
+
+Layout (x @ W, so every matrix is [in, out]):
+  embed [V, d]           final_norm [d]          lm_head [d, V] (absent when tied)
+  layers[i]: attn_norm [d], wqkv [d, (H + 2·KV)·hd], wo [H·hd, d], q_norm/k_norm (optional),
+             ffn_norm [d], and either
+             dense: w_gate_up [d, 2·ff], w_down [ff, d]
+             moe:   router [d, E], experts_gate_up [E, d, 2·f], experts_down [E, f, d]
+Q, K and V share one matrix and gate/up another, so a decode step runs fewer, larger
+GEMVs; each layer is its own set of arrays (slicing a stacked array copies on XLA:CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ModelConfig
+from .errors import ModelFileError
+
+
+class TensorSource(Protocol):
+    def has(self, name: str) -> bool: ...
+
+    def get(self, name: str) -> np.ndarray: ...
+
+
+def _get(source: TensorSource, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    w = source.get(name)
+    if tuple(w.shape) != shape:
+        raise ModelFileError(
+            f"{getattr(source, 'path', 'model')}: tensor {name!r} has shape {tuple(w.shape)}, "
+            f"expected {shape} from the model's config"
+        )
+    return np.asarray(w, dtype=np.float32)
+
+
+def _put(array: np.ndarray, dtype) -> jax.Array:
+    return jnp.asarray(array, dtype=dtype)
+
+
+def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32) -> dict:
+    d, hd = cfg.hidden_size, cfg.head_dim
+    q_out, kv_out = cfg.n_heads * hd, cfg.n_kv_heads * hd
+    f32 = jnp.float32
+    weights: dict = {
+        "embed": _put(_get(source, "embed", (cfg.vocab_size, d)), dtype),
+        "final_norm": _put(_get(source, "final_norm", (d,)), f32),
+        "layers": [],
+    }
+    if not cfg.tie_embeddings:
+        weights["lm_head"] = _put(_get(source, "lm_head", (cfg.vocab_size, d)).T, dtype)
+    for i in range(cfg.n_layers):
+        p = f"{i}."
+        qkv = np.concatenate(
+            [
+                _get(source, p + "q", (q_out, d)),
+                _get(source, p + "k", (kv_out, d)),
+                _get(source, p + "v", (kv_out, d)),
+            ]
+        )
+        layer = {
+            "attn_norm": _put(_get(source, p + "attn_norm", (d,)), f32),
+            "wqkv": _put(qkv.T, dtype),
+            "wo": _put(_get(source, p + "o", (d, q_out)).T, dtype),
+            "ffn_norm": _put(_get(source, p + "ffn_norm", (d,)), f32),
+        }
+        del qkv
+        if cfg.qk_norm != "none":
+            q_norm, k_norm = (hd, hd) if cfg.qk_norm == "head" else (q_out, kv_out)
+            layer["q_norm"] = _put(_get(source, p + "q_norm", (q_norm,)), f32)
+            layer["k_norm"] = _put(_get(source, p + "k_norm", (k_norm,)), f32)
+        if cfg.moe_layers[i]:
+            e, f = cfg.n_experts, cfg.moe_intermediate_size
+            gate = _get(source, p + "experts.gate", (e, f, d))
+            up = _get(source, p + "experts.up", (e, f, d))
+            layer["router"] = _put(_get(source, p + "router", (e, d)).T, f32)
+            layer["experts_gate_up"] = _put(
+                np.concatenate([gate, up], axis=1).transpose(0, 2, 1), dtype
+            )
+            del gate, up
+            layer["experts_down"] = _put(
+                _get(source, p + "experts.down", (e, d, f)).transpose(0, 2, 1), dtype
+            )
+        else:
+            ff = cfg.intermediate_size
+            gate_up = np.concatenate(
+                [_get(source, p + "gate", (ff, d)), _get(source, p + "up", (ff, d))]
+            )
+            layer["w_gate_up"] = _put(gate_up.T, dtype)
+            layer["w_down"] = _put(_get(source, p + "down", (d, ff)).T, dtype)
+        weights["layers"].append(layer)
+    return weights
+
+
+def count_parameters(weights: dict) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(weights))
