@@ -1,7 +1,8 @@
 """The forward pass as pure functions of (config, weights, inputs, KV cache).
 
-KV cache: per layer, K and V arrays of shape [slots, kv_heads, context, head_dim]
-(head-major: no per-step transpose on XLA:CPU). The step functions only *read* the
+KV cache: per layer, K [slots, kv_heads, head_dim, context] and V [slots, kv_heads,
+context, head_dim]. Head-major avoids a per-step transpose; K stored transposed makes
+q·K a plain matmul over contiguous rows, the fastest form measured on XLA:CPU. The step functions only *read* the
 cache and return the new rows; separate donated functions write them. Reading and
 writing the same donated array in one step makes XLA copy the whole cache.
 
@@ -67,7 +68,8 @@ def _softmax_parts(*scores):
 
 def attend_chunk(cfg, q, k, v, hist_k, hist_v, offset):
     """Causal attention of a chunk of t tokens at `offset` over the slot's cached history
-    (positions < offset of hist_k/hist_v [k, l, d], or none) and over the chunk itself."""
+    (positions < offset of hist_k [k, d, l] and hist_v [k, l, d], or none) and over the
+    chunk itself."""
     t = q.shape[0]
     scale = cfg.head_dim**-0.5
     q = q.reshape(t, cfg.n_kv_heads, cfg.group_size, cfg.head_dim).transpose(1, 2, 0, 3)
@@ -78,8 +80,8 @@ def attend_chunk(cfg, q, k, v, hist_k, hist_v, offset):
         (p_self,) = _softmax_parts(s_self)
         out = jnp.einsum("kgts,ksd->kgtd", p_self.astype(v.dtype), v)
     else:
-        s_hist = jnp.einsum("kgtd,kld->kgtl", q, hist_k, preferred_element_type=F32) * scale
-        s_hist = jnp.where(jnp.arange(hist_k.shape[1]) < offset, s_hist, -jnp.inf)
+        s_hist = jnp.einsum("kgtd,kdl->kgtl", q, hist_k, preferred_element_type=F32) * scale
+        s_hist = jnp.where(jnp.arange(hist_k.shape[2]) < offset, s_hist, -jnp.inf)
         p_hist, p_self = _softmax_parts(s_hist, s_self)
         out = jnp.einsum("kgtl,kld->kgtd", p_hist.astype(v.dtype), hist_v) + jnp.einsum(
             "kgts,ksd->kgtd", p_self.astype(v.dtype), v
@@ -87,19 +89,28 @@ def attend_chunk(cfg, q, k, v, hist_k, hist_v, offset):
     return out.transpose(2, 0, 1, 3).reshape(t, -1)
 
 
-def attend_rows(cfg, q, k, v, hist_k, hist_v, positions):
-    """One new token per row b at positions[b], over its slot's history hist_k [b, k, l, d]."""
+def attend_rows(cfg, q, k, v, k_cache, v_cache, slots, positions, hist_len):
+    """One new token per row b, at positions[b] of slot slots[b], over that slot's first
+    hist_len cached positions (K [slots, k, d, l], V [slots, k, l, d]).
+
+    A loop over rows, each slicing its own slot: a gather of all rows' histories at once
+    ran 4x slower on XLA:CPU, which copies gathered operands before the matmul.
+    """
     b = q.shape[0]
-    scale = cfg.head_dim**-0.5
-    q = q.reshape(b, cfg.n_kv_heads, cfg.group_size, cfg.head_dim)
-    s_hist = jnp.einsum("bkgd,bkld->bkgl", q, hist_k, preferred_element_type=F32) * scale
-    valid = jnp.arange(hist_k.shape[2])[None, :] < positions[:, None]  # [b, l]
-    s_hist = jnp.where(valid[:, None, None, :], s_hist, -jnp.inf)
-    s_self = jnp.einsum("bkgd,bkd->bkg", q, k, preferred_element_type=F32)[..., None] * scale
-    p_hist, p_self = _softmax_parts(s_hist, s_self)
-    out = jnp.einsum("bkgl,bkld->bkgd", p_hist.astype(v.dtype), hist_v) + p_self.astype(
-        v.dtype
-    ) * v[:, :, None, :]
+    nk, g, hd = cfg.n_kv_heads, cfg.group_size, cfg.head_dim
+    q = q.reshape(b, nk, g, hd) * hd**-0.5
+    s_self = jnp.einsum("bkgd,bkd->bkg", q, k, preferred_element_type=F32)[..., None]
+
+    def row(i, out):
+        hist_k = jax.lax.dynamic_slice(k_cache, (slots[i], 0, 0, 0), (1, nk, hd, hist_len))[0]
+        hist_v = jax.lax.dynamic_slice(v_cache, (slots[i], 0, 0, 0), (1, nk, hist_len, hd))[0]
+        s_hist = jnp.einsum("kgd,kdl->kgl", q[i], hist_k, preferred_element_type=F32)
+        s_hist = jnp.where(jnp.arange(hist_len) < positions[i], s_hist, -jnp.inf)
+        p_hist, p_self = _softmax_parts(s_hist, s_self[i])
+        o = jnp.einsum("kgl,kld->kgd", p_hist.astype(v.dtype), hist_v)
+        return out.at[i].set(o + p_self.astype(v.dtype) * v[i][:, None, :])
+
+    out = jax.lax.fori_loop(0, b, row, jnp.zeros((b, nk, g, hd), v.dtype))
     return out.reshape(b, -1)
 
 
@@ -111,9 +122,13 @@ def ffn(cfg: ModelConfig, layer: dict, x: jax.Array, moe_impl: str) -> jax.Array
 
 def lm_head(cfg: ModelConfig, weights: dict, x: jax.Array) -> jax.Array:
     x = rms_norm(x, weights["final_norm"], cfg.rms_eps)
-    if cfg.tie_embeddings:
-        return jnp.einsum("td,vd->tv", x, weights["embed"], preferred_element_type=F32)
     return jnp.dot(x, weights["lm_head"], preferred_element_type=F32)
+
+
+def embed(weights: dict, tokens: jax.Array) -> jax.Array:
+    if "embed" in weights:
+        return weights["embed"][tokens]
+    return weights["lm_head"][:, tokens].T  # tied: a column per token
 
 
 def _layers(cfg, weights, x, positions, attend, moe_impl):
@@ -139,24 +154,24 @@ def prefill(
     (hist_len ≥ offset, static; 0 for a fresh slot).
 
     Returns (logits [t, vocab] if all_logits else [vocab] of the last real token,
-    new K rows per layer [k, t, d], new V rows per layer).
+    new K per layer [k, d, t], new V per layer [k, t, d]).
     """
     positions = offset + jnp.arange(tokens.shape[0])
-    x = weights["embed"][tokens]
+    x = embed(weights, tokens)
 
     def attend(i, q, k, v):
         if hist_len == 0:
             return attend_chunk(cfg, q, k, v, None, None, offset)
-        shape = (1, cfg.n_kv_heads, hist_len, cfg.head_dim)
-        hist_k = jax.lax.dynamic_slice(k_cache[i], (slot, 0, 0, 0), shape)[0]
-        hist_v = jax.lax.dynamic_slice(v_cache[i], (slot, 0, 0, 0), shape)[0]
+        nk, hd = cfg.n_kv_heads, cfg.head_dim
+        hist_k = jax.lax.dynamic_slice(k_cache[i], (slot, 0, 0, 0), (1, nk, hd, hist_len))[0]
+        hist_v = jax.lax.dynamic_slice(v_cache[i], (slot, 0, 0, 0), (1, nk, hist_len, hd))[0]
         return attend_chunk(cfg, q, k, v, hist_k, hist_v, offset)
 
     x, new_k, new_v = _layers(cfg, weights, x, positions, attend, moe_impl)
     if not all_logits:
         x = jax.lax.dynamic_slice_in_dim(x, n_valid - 1, 1)
     logits = lm_head(cfg, weights, x)
-    new_k = [k.transpose(1, 0, 2) for k in new_k]
+    new_k = [k.transpose(1, 2, 0) for k in new_k]
     new_v = [v.transpose(1, 0, 2) for v in new_v]
     return (logits if all_logits else logits[0]), new_k, new_v
 
@@ -168,12 +183,10 @@ def decode(weights, k_cache, v_cache, tokens, slots, positions, *, cfg, hist_len
 
     Returns (logits [b, vocab], new K rows per layer [b, k, d], new V rows per layer).
     """
-    x = weights["embed"][tokens]
+    x = embed(weights, tokens)
 
     def attend(i, q, k, v):
-        hist_k = k_cache[i][:, :, :hist_len][slots]
-        hist_v = v_cache[i][:, :, :hist_len][slots]
-        return attend_rows(cfg, q, k, v, hist_k, hist_v, positions)
+        return attend_rows(cfg, q, k, v, k_cache[i], v_cache[i], slots, positions, hist_len)
 
     x, new_k, new_v = _layers(cfg, weights, x, positions, attend, moe_impl)
     return lm_head(cfg, weights, x), new_k, new_v
@@ -181,19 +194,22 @@ def decode(weights, k_cache, v_cache, tokens, slots, positions, *, cfg, hist_len
 
 @partial(jax.jit, donate_argnums=(0, 1))
 def write_chunk(k_cache, v_cache, new_k, new_v, slot, offset):
-    """Store a prefilled chunk's rows [k, t, d] at `offset` in `slot` (in place)."""
+    """Store a prefilled chunk (K [k, d, t], V [k, t, d]) at `offset` in `slot` (in place)."""
 
-    def put(cache, rows):
-        return jax.lax.dynamic_update_slice(cache, rows[None].astype(cache.dtype), (slot, 0, offset, 0))
+    def put(cache, rows, start):
+        return jax.lax.dynamic_update_slice(cache, rows[None].astype(cache.dtype), start)
 
-    return [put(c, r) for c, r in zip(k_cache, new_k)], [put(c, r) for c, r in zip(v_cache, new_v)]
+    return (
+        [put(c, r, (slot, 0, 0, offset)) for c, r in zip(k_cache, new_k)],
+        [put(c, r, (slot, 0, offset, 0)) for c, r in zip(v_cache, new_v)],
+    )
 
 
 @partial(jax.jit, donate_argnums=(0, 1))
 def write_rows(k_cache, v_cache, new_k, new_v, slots, positions):
     """Store each decode row's K/V [b, k, d] at (slots[b], positions[b]) (in place)."""
 
-    def put(cache, rows):
-        return cache.at[slots, :, positions].set(rows.astype(cache.dtype))
-
-    return [put(c, r) for c, r in zip(k_cache, new_k)], [put(c, r) for c, r in zip(v_cache, new_v)]
+    return (
+        [c.at[slots, :, :, positions].set(r.astype(c.dtype)) for c, r in zip(k_cache, new_k)],
+        [c.at[slots, :, positions].set(r.astype(c.dtype)) for c, r in zip(v_cache, new_v)],
+    )

@@ -71,7 +71,7 @@ def generate(model: Model, prompt_ids: Sequence[int], *, max_tokens: int, temper
     if len(prompt_ids) >= limit:
         raise ContextLengthError(len(prompt_ids), limit)
     geo = KVGeometry(n_slots=1, max_context=limit, chunk=chunk)
-    kv = init_kv(model.config, geo, model.weights["embed"].dtype)
+    kv = init_kv(model.config, geo, model.weights["lm_head"].dtype)
     logits, kv = prefill_slot(model, kv, geo, 0, prompt_ids, 0)
     logits = logits[None]
     key = request_key(seed)[None]

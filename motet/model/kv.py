@@ -46,7 +46,9 @@ class KVGeometry:
 
 
 def init_kv(cfg: ModelConfig, geo: KVGeometry, dtype=jnp.float32):
-    shape = (geo.n_slots + 1, cfg.n_kv_heads, geo.length, cfg.head_dim)
-    k = [jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)]
-    v = [jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)]
+    """Zeroed caches, per layer: K [slots + 1, kv_heads, head_dim, length] and
+    V [slots + 1, kv_heads, length, head_dim] (see forward.py)."""
+    slots = geo.n_slots + 1
+    k = [jnp.zeros((slots, cfg.n_kv_heads, cfg.head_dim, geo.length), dtype) for _ in range(cfg.n_layers)]
+    v = [jnp.zeros((slots, cfg.n_kv_heads, geo.length, cfg.head_dim), dtype) for _ in range(cfg.n_layers)]
     return k, v

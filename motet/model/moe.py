@@ -1,7 +1,7 @@
 """Mixture-of-experts FFN: route each token to its top-k experts and run only those.
 
 Dimension letters: t tokens, k experts per token, d model width, f expert width,
-e experts, n blocks of sorted assignments, b rows in a block.
+e experts, a assignments (t·k token-expert pairs).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
+
+MOE_IMPLS = ("auto", "grouped", "ragged")
 
 
 def route(cfg: ModelConfig, router: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -27,80 +29,76 @@ def swiglu(h: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
-def experts_gathered(x, weights, ids, gate_up, down):
-    """Few assignments (decode): gather each assignment's expert matrices and multiply.
-
-    Reads only the chosen experts' weights; best while t·k is below the expert count.
-    """
-    h = jnp.einsum("td,tkdf->tkf", x, jnp.take(gate_up, ids, axis=0))
-    y = jnp.einsum("tkf,tkfd->tkd", swiglu(h), jnp.take(down, ids, axis=0))
-    return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
-
-
-def _sorted_assignments(ids: jax.Array, n_experts: int):
+def _by_expert(ids: jax.Array, n_experts: int):
+    """Assignments sorted by expert: (order [a], group sizes [e])."""
     flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    sorted_experts = flat[order]
-    group_sizes = jnp.bincount(flat, length=n_experts)
-    return order, sorted_experts, group_sizes
+    return jnp.argsort(flat, stable=True), jnp.bincount(flat, length=n_experts)
 
 
-def experts_blocked(x, weights, ids, gate_up, down, block: int):
-    """Many assignments (prefill): sort them by expert, pad each expert's group to whole
-    blocks of `block` rows, and run one batched matmul over the blocks, each block with
-    its own expert's weights. Pads at most `block - 1` rows per expert, drops nothing.
+def experts_grouped(x, weights, ids, gate_up, down, block: int):
+    """Sort the assignments by expert, pad each expert's group to whole blocks of `block`
+    rows, and loop over the blocks in use: each slices its expert's matrices once and
+    multiplies its rows. Each chosen expert's weights are read once per block, unchosen
+    experts never; nothing is dropped.
+
+    A loop whose body slices the weights is the fast form on XLA:CPU: a gather of all the
+    chosen matrices at once is copied first, several times slower.
     """
     t, k = ids.shape
-    n_experts = gate_up.shape[0]
-    order, sorted_experts, sizes = _sorted_assignments(ids, n_experts)
+    n_experts, d, f2 = gate_up.shape
+    a = t * k
+    order, sizes = _by_expert(ids, n_experts)
     padded = (sizes + block - 1) // block * block
-    padded_start = jnp.cumsum(padded) - padded
-    start = jnp.cumsum(sizes) - sizes
-    rank = jnp.arange(t * k) - start[sorted_experts]
-    dest = padded_start[sorted_experts] + rank  # row of each sorted assignment in the blocks
-    n_blocks = -(-(t * k + n_experts * (block - 1)) // block)
+    padded_end = jnp.cumsum(padded)
+    start, padded_start = jnp.cumsum(sizes) - sizes, padded_end - padded
+    sorted_experts = ids.reshape(-1)[order]
+    dest = padded_start[sorted_experts] + jnp.arange(a) - start[sorted_experts]
+    capacity = -(-(a + min(a, n_experts) * (block - 1)) // block) * block
     token = order // k
-    rows = jnp.zeros((n_blocks * block, x.shape[1]), x.dtype).at[dest].set(x[token])
-    block_expert = jnp.searchsorted(
-        jnp.cumsum(padded), jnp.arange(n_blocks) * block, side="right"
-    )
-    block_expert = jnp.minimum(block_expert, n_experts - 1)
-    rows = rows.reshape(n_blocks, block, -1)
-    h = jnp.einsum("nbd,ndf->nbf", rows, jnp.take(gate_up, block_expert, axis=0))
-    y = jnp.einsum("nbf,nfd->nbd", swiglu(h), jnp.take(down, block_expert, axis=0))
-    y = y.reshape(n_blocks * block, -1)[dest]
-    w = weights.reshape(-1)[order].astype(y.dtype)
-    return jnp.zeros_like(x).at[token].add(y * w[:, None])
+    rows = jnp.zeros((capacity, d), x.dtype).at[dest].set(x[token])
+    used_blocks = padded_end[-1] // block
+    block_expert = jnp.searchsorted(padded_end, jnp.arange(capacity // block) * block, side="right")
+
+    def one(n, out):
+        e = block_expert[n]
+        w_gate_up = jax.lax.dynamic_slice(gate_up, (e, 0, 0), (1, d, f2))[0]
+        w_down = jax.lax.dynamic_slice(down, (e, 0, 0), (1, f2 // 2, d))[0]
+        xs = jax.lax.dynamic_slice(rows, (n * block, 0), (block, d))
+        ys = jnp.dot(swiglu(jnp.dot(xs, w_gate_up)), w_down)
+        return jax.lax.dynamic_update_slice(out, ys, (n * block, 0))
+
+    ys = jax.lax.fori_loop(0, used_blocks, one, jnp.zeros_like(rows))[dest]
+    w = weights.reshape(-1)[order].astype(ys.dtype)
+    return jnp.zeros_like(x).at[token].add(ys * w[:, None])
 
 
 def experts_ragged(x, weights, ids, gate_up, down):
     """Grouped matmul with `lax.ragged_dot`: the fast path on GPUs and TPUs."""
     t, k = ids.shape
-    order, _, sizes = _sorted_assignments(ids, gate_up.shape[0])
+    order, sizes = _by_expert(ids, gate_up.shape[0])
     token = order // k
-    xs = x[token]
-    h = jax.lax.ragged_dot(xs, gate_up, sizes)
-    y = jax.lax.ragged_dot(swiglu(h), down, sizes)
-    w = weights.reshape(-1)[order].astype(y.dtype)
-    return jnp.zeros_like(x).at[token].add(y * w[:, None])
+    h = jax.lax.ragged_dot(x[token], gate_up, sizes)
+    ys = jax.lax.ragged_dot(swiglu(h), down, sizes)
+    w = weights.reshape(-1)[order].astype(ys.dtype)
+    return jnp.zeros_like(x).at[token].add(ys * w[:, None])
+
+
+def group_block(assignments: int, n_experts: int) -> int:
+    """Rows per block: about one expert's average share, so padding stays small."""
+    share = max(1, assignments // n_experts)
+    return min(64, 1 << (share.bit_length() - 1))
 
 
 def moe_ffn(cfg: ModelConfig, layer: dict, x: jax.Array, impl: str = "auto") -> jax.Array:
     weights, ids = route(cfg, layer["router"], x)
     gate_up, down = layer["experts_gate_up"], layer["experts_down"]
-    t, k = ids.shape
     if impl == "auto":
-        if t * k <= cfg.n_experts:
-            impl = "gather"
-        else:
-            impl = "blocked" if jax.default_backend() == "cpu" else "ragged"
-    if impl == "gather":
-        return experts_gathered(x, weights, ids, gate_up, down)
+        impl = "grouped" if jax.default_backend() == "cpu" else "ragged"
     if impl == "ragged":
         return experts_ragged(x, weights, ids, gate_up, down)
-    # Blocks about the size of an expert's average share, so padding stays small.
-    block = max(8, min(128, 1 << max(0, (t * k // cfg.n_experts).bit_length() - 1)))
-    return experts_blocked(x, weights, ids, gate_up, down, block)
+    if impl != "grouped":
+        raise ValueError(f"unknown MoE implementation {impl!r}; choose from {MOE_IMPLS}")
+    return experts_grouped(x, weights, ids, gate_up, down, group_block(ids.size, cfg.n_experts))
 
 
 def dense_ffn(layer: dict, x: jax.Array) -> jax.Array:

@@ -1,7 +1,8 @@
 """Pack a model's tensors into the pytree the forward functions take.
 
 Layout (x @ W, so every matrix is [in, out]):
-  embed [V, d]           final_norm [d]          lm_head [d, V] (absent when tied)
+  lm_head [d, V]         final_norm [d]          embed [V, d] (absent when tied: the
+                                                 lookup then reads lm_head's columns)
   layers[i]: attn_norm [d], wqkv [d, (H + 2·KV)·hd], wo [H·hd, d], q_norm/k_norm (optional),
              ffn_norm [d], and either
              dense: w_gate_up [d, 2·ff], w_down [ff, d]
@@ -46,13 +47,18 @@ def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32) -> d
     d, hd = cfg.hidden_size, cfg.head_dim
     q_out, kv_out = cfg.n_heads * hd, cfg.n_kv_heads * hd
     f32 = jnp.float32
+    embed = _get(source, "embed", (cfg.vocab_size, d))
+    # x @ W with W [d, V] is XLA:CPU's fastest form of the head's GEMV (a [V, d] operand
+    # runs at about half the bandwidth), so a tied model keeps only this copy.
+    head = embed if cfg.tie_embeddings else _get(source, "lm_head", (cfg.vocab_size, d))
     weights: dict = {
-        "embed": _put(_get(source, "embed", (cfg.vocab_size, d)), dtype),
+        "lm_head": _put(head.T, dtype),
         "final_norm": _put(_get(source, "final_norm", (d,)), f32),
         "layers": [],
     }
     if not cfg.tie_embeddings:
-        weights["lm_head"] = _put(_get(source, "lm_head", (cfg.vocab_size, d)).T, dtype)
+        weights["embed"] = _put(embed, dtype)
+    del embed, head
     for i in range(cfg.n_layers):
         p = f"{i}."
         qkv = np.concatenate(
