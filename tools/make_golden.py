@@ -445,6 +445,8 @@ TOKENIZER_CASES = [
     "mixed\t tabs \t and  spaces",
     "I'm sure they'll say it's what we've done.",
     "https://example.com/path?q=1&lang=en#top",
+    "a  1",
+    "version\t 2.0 and   42 apples\n  7",
 ]
 
 CHAT_CASES = [
@@ -478,6 +480,14 @@ def make_smollm2() -> dict:
     out.mkdir(parents=True)
     gdir = smollm2_path()
     tokenizer = AutoTokenizer.from_pretrained(gdir, gguf_file=SMOLLM2_FILE)
+    # transformers' GGUF loader does not know llama.cpp's `smollm` pre-tokenizer and
+    # falls back to plain GPT-2 splitting, which differs wherever whitespace precedes a
+    # digit. Use SmolLM2's own pre-tokenizer (its Hub tokenizer.json): digits split one
+    # by one, then byte-level.
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+    ])
     model = AutoModelForCausalLM.from_pretrained(
         gdir, gguf_file=SMOLLM2_FILE, dtype=torch.float32, attn_implementation="eager").eval()
 
