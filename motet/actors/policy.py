@@ -1,0 +1,76 @@
+"""Scheduling policy: plain synchronous decisions, no Trio and no JAX, so it is tested
+exhaustively on its own. The actors around it only move messages; the runner computes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """What the scheduler knows of a slot when it picks one."""
+
+    index: int
+    busy: bool
+    history: tuple[int, ...]
+    last_used: int  # a counter: larger is more recent
+
+
+def reusable_prefix(history: Sequence[int], prompt: Sequence[int]) -> int:
+    """Prompt tokens whose KV a slot can keep. At least the last prompt token is always
+    run again, since its logits pick the first new token."""
+    return min(common_prefix(history, prompt), len(prompt) - 1)
+
+
+def choose_slot(slots: Sequence[SlotView], prompt: Sequence[int]) -> int | None:
+    """The idle slot whose history shares the longest prefix with the prompt, else the
+    least recently used idle slot; None when every slot is busy."""
+    idle = [s for s in slots if not s.busy]
+    if not idle:
+        return None
+    best = max(idle, key=lambda s: (reusable_prefix(s.history, prompt), -s.last_used))
+    if reusable_prefix(best.history, prompt) > 0:
+        return best.index
+    return min(idle, key=lambda s: s.last_used).index
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text without ever releasing part of a match.
+
+    `push(text)` returns (text safe to emit, stopped). Text that could still become the
+    start of a stop string is held back until it cannot.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(s for s in stops if s)
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        buf = self.pending + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            return buf[: min(hits)], True
+        hold = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(buf)), 0, -1):
+                if buf.endswith(stop[:k]):
+                    hold = max(hold, k)
+                    break
+        self.pending = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out

@@ -1,0 +1,110 @@
+"""The device runner: owns the weights, the KV cache and the jitted calls. Its methods
+run in the scheduler's one worker thread; nothing else touches device state."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..model.generate import decode_step, prefill_slot
+from ..model.kv import KVGeometry, init_kv
+from ..model.model import Model
+from ..model.sampling import request_key, sample
+
+TOP_CANDIDATES = 5
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One row of a sampling call: the request's parameters and its current PRNG key."""
+
+    temperature: float
+    top_p: float
+    key: np.ndarray  # uint32[2]
+    want_top: bool
+
+
+@dataclass(frozen=True)
+class Sampled:
+    token: int
+    logprob: float
+    next_key: np.ndarray
+    top: tuple[tuple[int, float], ...]  # (token id, logprob) best first; empty unless asked
+
+
+@dataclass
+class StepTimes:
+    """Seconds spent per phase, accumulated by the runner."""
+
+    prefill: float = 0.0
+    decode: float = 0.0
+    sample: float = 0.0
+    counts: dict = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+
+
+class ModelRunner:
+    def __init__(self, model: Model, geo: KVGeometry):
+        self.model = model
+        self.geo = geo
+        self.kv = init_kv(model.config, geo, model.weights["lm_head"].dtype)
+        self.times = StepTimes()
+
+    @staticmethod
+    def new_key(seed: int) -> np.ndarray:
+        return np.asarray(request_key(seed))
+
+    def prefill(self, slot: int, ids: list[int], offset: int, row: SamplingRow) -> Sampled:
+        """Run `ids` (at most one chunk) into `slot` at `offset` and sample the next token
+        from the last one's logits."""
+        t = time.perf_counter()
+        logits, self.kv = prefill_slot(self.model, self.kv, self.geo, slot, ids, offset)
+        logits.block_until_ready()
+        self.times.prefill += time.perf_counter() - t
+        self.times.counts["prefill"] += 1
+        return self._sample(logits[None], [row])[0]
+
+    def extend(self, slot: int, ids: list[int], offset: int) -> None:
+        """Run a chunk whose logits nobody needs (not the prompt's last)."""
+        t = time.perf_counter()
+        logits, self.kv = prefill_slot(self.model, self.kv, self.geo, slot, ids, offset)
+        logits.block_until_ready()
+        self.times.prefill += time.perf_counter() - t
+        self.times.counts["prefill"] += 1
+
+    def decode(self, tokens: list[int], slots: list[int], positions: list[int],
+               rows: list[SamplingRow]) -> list[Sampled]:
+        """One batched step: each row feeds its token at its position in its slot, then
+        samples its next token."""
+        t = time.perf_counter()
+        logits, self.kv = decode_step(self.model, self.kv, self.geo, tokens, slots, positions)
+        logits.block_until_ready()
+        self.times.decode += time.perf_counter() - t
+        self.times.counts["decode"] += 1
+        return self._sample(logits, rows)
+
+    def _sample(self, logits, rows: list[SamplingRow]) -> list[Sampled]:
+        t = time.perf_counter()
+        n_top = TOP_CANDIDATES if any(r.want_top for r in rows) else 0
+        tokens, logprobs, keys, top_ids, top_lp = sample(
+            logits,
+            jnp.asarray([r.temperature for r in rows], jnp.float32),
+            jnp.asarray([r.top_p for r in rows], jnp.float32),
+            jnp.asarray(np.stack([r.key for r in rows])),
+            n_top=n_top,
+        )
+        tokens, logprobs, keys, top_ids, top_lp = (
+            np.asarray(a) for a in (tokens, logprobs, keys, top_ids, top_lp)
+        )
+        self.times.sample += time.perf_counter() - t
+        return [
+            Sampled(
+                token=int(tokens[i]),
+                logprob=float(logprobs[i]),
+                next_key=keys[i],
+                top=tuple(zip(top_ids[i].tolist(), top_lp[i].tolist())) if r.want_top else (),
+            )
+            for i, r in enumerate(rows)
+        ]

@@ -1,0 +1,408 @@
+"""The Scheduler actor: admission, serial chunked prefill, and one continuous-batched
+decode step after another across the KV slots.
+
+One loop iteration: take messages (submits, cancels) → run one prefill chunk if a
+prompt is waiting → run one decode step for every decoding request → emit events.
+Device work runs in one worker thread so the event loop stays responsive; a cancel or a
+new submit takes effect at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import trio
+
+from ..model.detokenizer import IncrementalDetokenizer
+from ..runtime.actor import open_inbox, open_reply
+from ..runtime.api import (
+    FinishEvent,
+    GenerationRequest,
+    Telemetry,
+    TokenEvent,
+    TopCandidate,
+    TurnStats,
+)
+from ..runtime.errors import (
+    BadRequest,
+    ContextExceeded,
+    DuplicateId,
+    EmptyPrompt,
+    EngineClosed,
+    QueueFull,
+    SlotBusy,
+)
+from .kv_slot import Claim, Extend, KVSlot, Probe, Release
+from .policy import StopMatcher, choose_slot
+from .runner import ModelRunner, Sampled, SamplingRow
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Submit:
+    request_id: int
+    request: GenerationRequest
+    prompt: tuple[int, ...]
+    events: trio.MemorySendChannel  # first an Accepted or an EngineError, then the stream
+
+
+@dataclass(frozen=True)
+class Cancel:
+    request_id: int
+
+
+@dataclass(frozen=True)
+class StopNow:
+    """End a request now through its normal finish (finish reason `stop`)."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Subscribe:
+    """Send every turn's Telemetry to this channel (dropped when it is full)."""
+
+    channel: trio.MemorySendChannel
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Refuse new requests; reply once every request in flight has finished."""
+
+    reply: trio.MemorySendChannel
+
+
+@dataclass(frozen=True)
+class Accepted:
+    request_id: int
+
+
+@dataclass
+class Active:
+    """A request the scheduler is working on."""
+
+    submit: Submit
+    slot: int
+    reused: int
+    detok: IncrementalDetokenizer
+    stops: StopMatcher
+    key: np.ndarray
+    started: float
+    cursor: int = 0  # prompt tokens whose KV is written
+    next_token: int | None = None  # sampled, not yet fed back
+    position: int = 0  # where next_token goes
+    emitted: int = 0
+    first_token_at: float | None = None
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    sample_s: float = 0.0
+    expert_counts: np.ndarray | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def request(self) -> GenerationRequest:
+        return self.submit.request
+
+    @property
+    def rid(self) -> int:
+        return self.submit.request_id
+
+    def sampling_row(self) -> SamplingRow:
+        r = self.request
+        return SamplingRow(r.temperature, r.top_p, self.key, r.top_logprobs > 0)
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, slots: list[KVSlot], queue_limit: int):
+        self.runner = runner
+        self.tokenizer = runner.model.tokenizer
+        self.eos = self.tokenizer.eos_ids
+        self.slots = slots
+        self.queue_limit = queue_limit
+        self.max_context = runner.geo.max_context
+        self.chunk = runner.geo.chunk
+        self.inbox = open_inbox()
+        self.active: dict[int, Active] = {}
+        self.waiting: deque[Submit] = deque()  # admitted in order as slots free up
+        self.prefilling: deque[int] = deque()
+        self.decoding: list[int] = []
+        self.clock = 0
+        self.telemetry_subscribers: list[trio.MemorySendChannel] = []
+        self.limiter = trio.CapacityLimiter(1)  # the one thread that touches the device
+        self.closing = False
+        self.drained: list[trio.MemorySendChannel] = []
+
+    # ---- the loop -------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
+        task_status.started()
+        try:
+            while True:
+                if not (self.prefilling or self.decoding):
+                    self._notify_drained()
+                    msg = await self.inbox.receive.receive()
+                    await self._handle(msg)
+                await self._drain()
+                if self.prefilling:
+                    await self._prefill_chunk()
+                    await self._drain()
+                if self.decoding:
+                    await self._decode_step()
+        finally:
+            # Whatever ends the loop, nobody waits forever on a stream: a closed stream
+            # without a finish event reads as "the engine is shutting down".
+            for act in self.active.values():
+                act.submit.events.close()
+            for sub in self.waiting:
+                sub.events.close()
+
+    def _notify_drained(self):
+        if self.closing and not self.active and not self.waiting:
+            for reply in self.drained:
+                reply.send_nowait(None)
+            self.drained.clear()
+
+    async def _drain(self):
+        while True:
+            try:
+                msg = self.inbox.receive.receive_nowait()
+            except trio.WouldBlock:
+                return
+            await self._handle(msg)
+
+    async def _handle(self, msg):
+        match msg:
+            case Submit():
+                await self._submit(msg)
+            case Cancel(rid):
+                await self._cancel(rid)
+            case Subscribe(channel):
+                self.telemetry_subscribers.append(channel)
+            case Drain(reply):
+                self.closing = True
+                self.drained.append(reply)
+                self._notify_drained()
+            case StopNow(rid):
+                if rid in self.active:
+                    await self._finish(self.active[rid], "stop")
+            case _:
+                raise TypeError(f"the scheduler got an unknown message {msg!r}")
+
+    def in_flight(self) -> set[int]:
+        return set(self.active) | {s.request_id for s in self.waiting}
+
+    # ---- admission ------------------------------------------------------------------
+
+    async def _submit(self, sub: Submit):
+        req, n = sub.request, len(sub.prompt)
+        error = None
+        if self.closing:
+            error = EngineClosed()
+        elif sub.request_id in self.in_flight():
+            error = DuplicateId(sub.request_id)
+        elif n == 0:
+            error = EmptyPrompt()
+        elif n >= self.max_context:
+            error = ContextExceeded(n, self.max_context)
+        elif req.slot is not None and not 0 <= req.slot < len(self.slots):
+            error = BadRequest(f"slot must be in [0, {len(self.slots) - 1}], got {req.slot}")
+        elif req.slot is not None and self._owner(req.slot) is not None:
+            error = SlotBusy(req.slot)
+        if error is not None:
+            sub.events.send_nowait(error)
+            return
+        if req.slot is None:
+            slot = await self._pick_slot(sub.prompt)
+            if slot is None:
+                if len(self.waiting) >= self.queue_limit:
+                    sub.events.send_nowait(QueueFull(self.queue_limit))
+                    return
+                self.waiting.append(sub)
+                sub.events.send_nowait(Accepted(sub.request_id))
+                return
+        else:
+            slot = req.slot
+        sub.events.send_nowait(Accepted(sub.request_id))
+        await self._start(sub, slot)
+
+    def _owner(self, slot: int) -> int | None:
+        for a in self.active.values():
+            if a.slot == slot:
+                return a.rid
+        return None
+
+    async def _pick_slot(self, prompt) -> int | None:
+        views = []
+        for s in self.slots:
+            if self._owner(s.index) is None:
+                send, recv = open_reply()
+                await s.inbox.send.send(Probe(send))
+                views.append(await recv.receive())
+        return choose_slot(views, prompt)
+
+    async def _start(self, sub: Submit, slot: int):
+        send, recv = open_reply()
+        await self.slots[slot].inbox.send.send(Claim(sub.request_id, sub.prompt, send))
+        reused = await recv.receive()
+        req = sub.request
+        seed = req.seed if req.seed is not None else sub.request_id
+        act = Active(
+            submit=sub, slot=slot, reused=reused, cursor=reused,
+            detok=IncrementalDetokenizer(self.tokenizer), stops=StopMatcher(req.stop),
+            key=self.runner.new_key(seed), started=time.perf_counter(),
+        )
+        self.active[sub.request_id] = act
+        self.prefilling.append(sub.request_id)
+
+    # ---- device work ----------------------------------------------------------------
+
+    async def _prefill_chunk(self):
+        act = self.active[self.prefilling[0]]
+        prompt = act.submit.prompt
+        chunk = list(prompt[act.cursor : act.cursor + self.chunk])
+        last = act.cursor + len(chunk) == len(prompt)
+        started, sampling = time.perf_counter(), self.runner.times.sample
+        if last:
+            sampled = await trio.to_thread.run_sync(
+                self.runner.prefill, act.slot, chunk, act.cursor, act.sampling_row(),
+                limiter=self.limiter,
+            )
+        else:
+            await trio.to_thread.run_sync(
+                self.runner.extend, act.slot, chunk, act.cursor, limiter=self.limiter
+            )
+        act.sample_s += self.runner.times.sample - sampling
+        act.prefill_s += time.perf_counter() - started - (self.runner.times.sample - sampling)
+        act.cursor += len(chunk)
+        await self.slots[act.slot].inbox.send.send(Extend(tuple(chunk)))
+        if not last or act.rid not in self.active:
+            return
+        self.prefilling.popleft()
+        act.position = len(prompt)
+        self.decoding.append(act.rid)
+        await self._accept_token(act, sampled)
+
+    async def _decode_step(self):
+        acts = [self.active[rid] for rid in self.decoding]
+        started, sampling = time.perf_counter(), self.runner.times.sample
+        results = await trio.to_thread.run_sync(
+            self.runner.decode,
+            [a.next_token for a in acts],
+            [a.slot for a in acts],
+            [a.position for a in acts],
+            [a.sampling_row() for a in acts],
+            limiter=self.limiter,
+        )
+        sample_s = self.runner.times.sample - sampling
+        decode_s = time.perf_counter() - started - sample_s
+        for act, sampled in zip(acts, results):
+            act.decode_s += decode_s
+            act.sample_s += sample_s
+            await self.slots[act.slot].inbox.send.send(Extend((act.next_token,)))
+            act.position += 1
+            if act.rid in self.active:
+                await self._accept_token(act, sampled)
+
+    # ---- per-token bookkeeping ------------------------------------------------------
+
+    async def _accept_token(self, act: Active, sampled: Sampled):
+        """Emit a freshly sampled token and decide whether the request goes on."""
+        now = time.perf_counter()
+        if act.first_token_at is None:
+            act.first_token_at = now
+        act.key = sampled.next_key
+        token = sampled.token
+        if token in self.eos:
+            await self._finish(act, "stop")
+            return
+        act.emitted += 1
+        act.token_ids.append(token)
+        text, stopped = act.stops.push(act.detok.push(token))
+        top = tuple(
+            TopCandidate(tid, self.tokenizer.decode([tid]), lp) for tid, lp in sampled.top
+        )[: act.request.top_logprobs]
+        if not self._send(act, TokenEvent(act.rid, text, token, sampled.logprob, top)):
+            await self._finish(act, "cancelled")
+            return
+        if stopped:
+            await self._finish(act, "stop", stop_matched=True)
+        elif act.emitted >= act.request.max_tokens or act.position >= self.max_context:
+            await self._finish(act, "length")
+        else:
+            act.next_token = token
+
+    def _send(self, act: Active, event) -> bool:
+        try:
+            act.submit.events.send_nowait(event)
+            return True
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return False  # the reader is gone: treat it as a cancel
+
+    async def _cancel(self, rid: int):
+        for sub in list(self.waiting):
+            if sub.request_id == rid:
+                self.waiting.remove(sub)
+                self._send_final_cancel(sub, rid)
+                return
+        if rid in self.active:
+            await self._finish(self.active[rid], "cancelled")
+
+    def _send_final_cancel(self, sub: Submit, rid: int):
+        stats = TurnStats(rid, -1, "cancelled", len(sub.prompt), 0, 0, 0.0, 0.0, 0.0)
+        try:
+            sub.events.send_nowait(FinishEvent(stats))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async def _finish(self, act: Active, reason: str, stop_matched: bool = False):
+        rid = act.rid
+        del self.active[rid]
+        if rid in self.decoding:
+            self.decoding.remove(rid)
+        if rid in self.prefilling:
+            self.prefilling.remove(rid)
+        now = time.perf_counter()
+        tail = ""
+        if reason != "cancelled" and not stop_matched:
+            # Release what was held back: partial UTF-8, and a stop-string prefix that
+            # never completed (unless the rest of the text completes it).
+            tail, matched = act.stops.push(act.detok.flush())
+            if not matched:
+                tail += act.stops.flush()
+        first = act.first_token_at or now
+        decode_s = now - first
+        stats = TurnStats(
+            request_id=rid, slot=act.slot, finish_reason=reason,
+            prompt_tokens=len(act.submit.prompt), reused_tokens=act.reused,
+            emitted_tokens=act.emitted, time_to_first_token_s=first - act.started,
+            decode_tokens_per_s=(act.emitted - 1) / decode_s if act.emitted > 1 and decode_s > 0 else 0.0,
+            total_s=now - act.started,
+        )
+        self._send(act, FinishEvent(stats, tail))
+        act.submit.events.close()
+        self.clock += 1
+        await self.slots[act.slot].inbox.send.send(Release(rid, self.clock))
+        self._publish(act)
+        await self._admit_waiting()
+
+    async def _admit_waiting(self):
+        while self.waiting:
+            slot = await self._pick_slot(self.waiting[0].prompt)
+            if slot is None:
+                return
+            await self._start(self.waiting.popleft(), slot)
+
+    def _publish(self, act: Active):
+        event = Telemetry(act.rid, act.prefill_s, act.decode_s, act.sample_s)
+        for ch in list(self.telemetry_subscribers):
+            try:
+                ch.send_nowait(event)
+            except trio.WouldBlock:
+                pass  # a slow subscriber misses a turn rather than stalling decode
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self.telemetry_subscribers.remove(ch)

@@ -1,0 +1,218 @@
+"""Engine: the in-process engine. It loads a model, starts the actors in a Trio nursery
+and offers the API the fronts and embedding programs use.
+
+    async with Engine() as engine:
+        async with engine.stream("Once upon a time", max_tokens=32) as events:
+            async for event in events:
+                ...
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import trio
+
+from .actors.kv_slot import KVSlot
+from .actors.runner import ModelRunner
+from .actors.scheduler import Accepted, Cancel, Drain, Scheduler, StopNow, Submit, Subscribe
+from .model.kv import KVGeometry
+from .model.model import Model
+from .runtime.actor import open_reply, open_stream
+from .runtime.api import Completion, FinishEvent, GenerationRequest, TokenEvent
+from .runtime.errors import Cancelled, EngineClosed, EngineError
+
+log = logging.getLogger(__name__)
+
+MAX_SLOTS = 16
+
+
+class EventStream:
+    """A request's events: TokenEvents, then one FinishEvent, then the end."""
+
+    def __init__(self, request_id: int, receive: trio.MemoryReceiveChannel):
+        self.request_id = request_id
+        self._receive = receive
+        self.finish: FinishEvent | None = None
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenEvent | FinishEvent:
+        if self.finish is not None:
+            raise StopAsyncIteration
+        try:
+            event = await self._receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise EngineClosed() from None
+        if isinstance(event, FinishEvent):
+            self.finish = event
+        return event
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Model | str | Path | None = None,
+        *,
+        kv_slots: int = MAX_SLOTS,
+        max_context: int = 4096,
+        dtype: str = "float32",
+        prefill_chunk: int = 256,
+        queue_limit: int = 64,
+    ):
+        if not 1 <= kv_slots <= MAX_SLOTS:
+            raise ValueError(f"kv_slots must be in [1, {MAX_SLOTS}], got {kv_slots}")
+        if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
+            raise ValueError(f"prefill_chunk must be a power of two >= 16, got {prefill_chunk}")
+        self._model_arg = model
+        self.kv_slots = kv_slots
+        self.max_context = max_context
+        self.dtype = dtype
+        self.prefill_chunk = prefill_chunk
+        self.queue_limit = queue_limit
+        self.model: Model | None = None
+        self._scheduler: Scheduler | None = None
+        self._ids = itertools.count(1)
+        self._nursery_cm = None
+        self._nursery: trio.Nursery | None = None
+
+    # ---- life cycle -----------------------------------------------------------------
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Load the model and start the actors in `nursery`; returns once all are ready."""
+        self.model = await trio.to_thread.run_sync(self._load)
+        context = min(self.max_context, self.model.config.max_context)
+        geo = KVGeometry(n_slots=self.kv_slots, max_context=context, chunk=self.prefill_chunk)
+        runner = await trio.to_thread.run_sync(ModelRunner, self.model, geo)
+        slots = [KVSlot(i) for i in range(self.kv_slots)]
+        for slot in slots:
+            await nursery.start(slot.run)
+        self._scheduler = Scheduler(runner, slots, self.queue_limit)
+        await nursery.start(self._scheduler.run)
+        self._nursery = nursery
+
+    def _load(self) -> Model:
+        if isinstance(self._model_arg, Model):
+            return self._model_arg
+        from .model.loader import load_model
+
+        started = time.monotonic()
+        log.info("loading %s", self._model_arg or "the default model")
+        model = load_model(self._model_arg, dtype=self.dtype)
+        log.info("model ready in %.1f s", time.monotonic() - started)
+        return model
+
+    async def __aenter__(self) -> Engine:
+        self._nursery_cm = trio.open_nursery()
+        nursery = await self._nursery_cm.__aenter__()
+        try:
+            await self.start(nursery)
+        except BaseException as exc:
+            nursery.cancel_scope.cancel()
+            await self._nursery_cm.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb):
+        if exc is None:
+            await self.drain()  # requests in flight finish first
+        self._nursery.cancel_scope.cancel()
+        return await self._nursery_cm.__aexit__(exc_type, exc, tb)
+
+    async def drain(self) -> None:
+        """Refuse new requests and wait until every request in flight has finished."""
+        reply, done = open_reply()
+        await self._inbox().send(Drain(reply))
+        await done.receive()
+
+    def _inbox(self) -> trio.MemorySendChannel:
+        if self._scheduler is None:
+            raise EngineClosed()
+        return self._scheduler.inbox.send
+
+    # ---- the API --------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    def encode(self, prompt: str | list[int] | tuple[int, ...]) -> tuple[int, ...]:
+        if not isinstance(prompt, str):
+            return tuple(int(t) for t in prompt)
+        tok = self.model.tokenizer
+        add_bos = tok.add_bos and not (tok.bos_token and prompt.startswith(tok.bos_token))
+        return tuple(tok.encode(prompt, add_special=add_bos))
+
+    @asynccontextmanager
+    async def stream(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0,
+                     top_p: float = 1.0, seed: int | None = None, slot: int | None = None,
+                     stop=(), top_logprobs: int = 0, request_id: int | None = None):
+        """Submit a request; yields its EventStream. Leaving the block early, or a cancel
+        of the surrounding scope, cancels the request."""
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        request = GenerationRequest(
+            prompt=prompt if isinstance(prompt, str) else tuple(prompt), max_tokens=max_tokens,
+            temperature=temperature, top_p=top_p, seed=seed, slot=slot, stop=stop,
+            top_logprobs=top_logprobs, request_id=request_id,
+        )
+        rid = request_id if request_id is not None else next(self._ids)
+        send, receive = open_stream()
+        await self._inbox().send(Submit(rid, request, self.encode(prompt), send))
+        with receive:
+            try:
+                first = await receive.receive()
+            except trio.EndOfChannel:
+                raise EngineClosed() from None
+            if isinstance(first, EngineError):
+                raise first
+            assert isinstance(first, Accepted)
+            events = EventStream(rid, receive)
+            try:
+                yield events
+            finally:
+                if events.finish is None:
+                    with trio.CancelScope(shield=True):
+                        await self._inbox().send(Cancel(rid))
+
+    async def complete(self, prompt, **kwargs) -> Completion:
+        """The same as stream(), collected. A request cancelled meanwhile raises Cancelled."""
+        async with self.stream(prompt, **kwargs) as events:
+            texts, tokens = [], []
+            async for event in events:
+                if isinstance(event, TokenEvent):
+                    texts.append(event.text)
+                    tokens.append(event)
+                else:
+                    texts.append(event.text_tail)
+        stats = events.finish.stats
+        if stats.finish_reason == "cancelled":
+            raise Cancelled(events.request_id)
+        return Completion("".join(texts), tuple(t.token_id for t in tokens), stats, tuple(tokens))
+
+    def render_chat(self, messages: list[dict]) -> str:
+        return self.model.render_chat(messages, add_generation_prompt=True)
+
+    async def chat(self, messages: list[dict], **kwargs) -> Completion:
+        return await self.complete(self.render_chat(messages), **kwargs)
+
+    def stream_chat(self, messages: list[dict], **kwargs):
+        return self.stream(self.render_chat(messages), **kwargs)
+
+    async def cancel(self, request_id: int) -> None:
+        await self._inbox().send(Cancel(request_id))
+
+    async def stop(self, request_id: int) -> None:
+        """End a request now through its normal finish."""
+        await self._inbox().send(StopNow(request_id))
+
+    async def telemetry(self, buffer: int = 64) -> trio.MemoryReceiveChannel:
+        """A channel of per-turn Telemetry; a full channel misses turns rather than
+        slowing the engine."""
+        send, receive = trio.open_memory_channel(buffer)
+        await self._inbox().send(Subscribe(send))
+        return receive

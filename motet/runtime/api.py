@@ -1,0 +1,93 @@
+"""The engine API's requests and events: what the fronts (stdio bridge, HTTP server)
+and embedding programs see. Both the in-process Engine and a mux client speak these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str | tuple[int, ...]
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    slot: int | None = None
+    stop: tuple[str, ...] = ()
+    top_logprobs: int = 0
+    request_id: int | None = None
+
+    def __post_init__(self):
+        from .errors import BadRequest
+
+        if self.max_tokens < 1:
+            raise BadRequest(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0 <= self.temperature <= 100:
+            raise BadRequest(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.top_logprobs <= 5:
+            raise BadRequest(f"top_logprobs must be in [0, 5], got {self.top_logprobs}")
+        if self.request_id is not None and self.request_id <= 0:
+            raise BadRequest(f"request ids are positive, got {self.request_id}")
+
+
+@dataclass(frozen=True)
+class TopCandidate:
+    token_id: int
+    text: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Text released by one sampled token (may be empty while UTF-8 or a possible stop
+    string is incomplete), with the token's logprob and, when asked, its top candidates."""
+
+    request_id: int
+    text: str
+    token_id: int
+    logprob: float
+    top: tuple[TopCandidate, ...] = ()
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    request_id: int
+    slot: int
+    finish_reason: FinishReason
+    prompt_tokens: int
+    reused_tokens: int  # prompt tokens whose KV the slot already held
+    emitted_tokens: int
+    time_to_first_token_s: float
+    decode_tokens_per_s: float
+    total_s: float
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    stats: TurnStats
+    text_tail: str = ""  # text held back until the end (stop-string prefixes, partial UTF-8)
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: tuple[int, ...]
+    stats: TurnStats
+    tokens: tuple[TokenEvent, ...] = field(default=(), repr=False)
+
+
+@dataclass(frozen=True)
+class Telemetry:
+    """Per-turn figures, published for the fronts (PERF, ENTROPY, HITS lines, /metrics)."""
+
+    request_id: int
+    prefill_s: float
+    decode_s: float
+    sample_s: float
+    expert_counts: tuple[tuple[int, ...], ...] = ()  # per MoE layer, per expert: routed tokens
