@@ -21,6 +21,8 @@ def prefill_slot(model: Model, kv, geo: KVGeometry, slot: int, ids: Sequence[int
 
     Returns (logits [vocab] after the last token, the updated kv).
     """
+    if offset + len(ids) > geo.max_context:
+        raise ContextLengthError(offset + len(ids), geo.max_context)
     k, v = kv
     logits = None
     for start in range(0, len(ids), geo.chunk):
@@ -64,7 +66,8 @@ def generate(model: Model, prompt_ids: Sequence[int], *, max_tokens: int, temper
              top_p: float = 1.0, seed: int = 0, max_context: int | None = None,
              chunk: int = 512) -> Iterator[int]:
     """Yield sampled token ids one by one until an end-of-turn token, max_tokens or the
-    end of the context. The end-of-turn token itself is not yielded."""
+    end of the context (prompt and answer together at most the context). The
+    end-of-turn token itself is not yielded."""
     limit = min(max_context or model.config.max_context, model.config.max_context)
     if len(prompt_ids) == 0:
         raise ValueError("the prompt is empty")
@@ -84,7 +87,7 @@ def generate(model: Model, prompt_ids: Sequence[int], *, max_tokens: int, temper
         if token_id in eos:
             return
         yield token_id
-        if position >= limit:
+        if position + 1 >= limit:  # prompt and answer fill the context
             return
         logits, kv = decode_step(model, kv, geo, [token_id], [0], [position])
         position += 1

@@ -86,6 +86,15 @@ _GGUF_NAMES = {
 }
 
 
+def _gguf_name(canonical: str) -> str:
+    """The GGUF tensor name a canonical name comes from, for messages."""
+    layer, _, kind = canonical.partition(".")
+    if not kind:
+        kind, layer = layer, None
+    gguf_kind = next((g for g, c in _GGUF_NAMES.items() if c == kind), kind)
+    return f"blk.{layer}.{gguf_kind}.weight" if layer is not None else f"{gguf_kind}.weight"
+
+
 def canonical_gguf_name(name: str) -> str | None:
     parts = name.removesuffix(".weight").split(".")
     if parts[0] == "blk" and len(parts) == 3 and parts[2] in _GGUF_NAMES:
@@ -121,10 +130,14 @@ class GGUFSource:
     def has(self, name: str) -> bool:
         return name in self.tensors
 
+    def describe(self, name: str) -> str:
+        tensor = self.tensors.get(name)
+        return f"{self.path}: tensor {tensor.name if tensor is not None else name!r}"
+
     def get(self, name: str) -> np.ndarray:
         tensor = self.tensors.get(name)
         if tensor is None:
-            raise ModelFileError(f"{self.path}: tensor {name!r} not found")
+            raise ModelFileError(f"{self.path}: tensor {_gguf_name(name)!r} not found")
         w = dequantize_tensor(self.path, tensor)
         kind = name.rpartition(".")[2]
         if self.permuted_rope_heads and kind in ("q", "k"):

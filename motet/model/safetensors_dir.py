@@ -108,6 +108,7 @@ class SafetensorsSource:
     """Canonical name → float32 array, read lazily from one or more shards."""
 
     def __init__(self, model_dir: Path):
+        self.path = model_dir
         index = model_dir / "model.safetensors.index.json"
         if index.exists():
             try:
@@ -135,6 +136,12 @@ class SafetensorsSource:
                 if canon is not None and canon not in self.files:
                     raise ModelFileError(f"{model_dir / shard}: tensor {hf_name!r} listed in the index is missing")
 
+    def describe(self, name: str) -> str:
+        if name in self.files:
+            st, hf_name = self.files[name]
+            return f"{st.path}: tensor {hf_name!r}"
+        return f"{self.path}: tensor {name!r}"
+
     def has(self, name: str) -> bool:
         try:
             self._locate(name)
@@ -147,7 +154,7 @@ class SafetensorsSource:
         try:
             return self._locate(name)()
         except KeyError:
-            raise ModelFileError(f"tensor {name!r} not found in the model's safetensors files") from None
+            raise ModelFileError(f"{self.path}: tensor {name!r} not found in the safetensors files") from None
 
     def _locate(self, name: str):
         if name in self.files:

@@ -20,7 +20,7 @@ def _top_p_mask(logits: jax.Array, top_p: jax.Array) -> jax.Array:
     sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
-    keep_sorted = before < top_p[:, None]
+    keep_sorted = (before < top_p[:, None]) | (jnp.arange(logits.shape[-1]) == 0)
     keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
     return jnp.where(keep, logits, -jnp.inf)
 

@@ -28,12 +28,16 @@ class TensorSource(Protocol):
 
     def get(self, name: str) -> np.ndarray: ...
 
+    def describe(self, name: str) -> str:
+        """Where a tensor lives, for errors: the file and the tensor's own name."""
+        ...
+
 
 def _get(source: TensorSource, name: str, shape: tuple[int, ...]) -> np.ndarray:
     w = source.get(name)
     if tuple(w.shape) != shape:
         raise ModelFileError(
-            f"{getattr(source, 'path', 'model')}: tensor {name!r} has shape {tuple(w.shape)}, "
+            f"{source.describe(name)} has shape {tuple(w.shape)}, "
             f"expected {shape} from the model's config"
         )
     return np.asarray(w, dtype=np.float32)

