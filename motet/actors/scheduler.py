@@ -331,7 +331,7 @@ class Scheduler:
             return
         if stopped:
             await self._finish(act, "stop", stop_matched=True)
-        elif act.emitted >= act.request.max_tokens or act.position >= self.max_context:
+        elif act.emitted >= act.request.max_tokens or act.position + 1 >= self.max_context:
             await self._finish(act, "length")
         else:
             act.next_token = token
