@@ -95,7 +95,7 @@ def test_moe_implementations_agree(tiny_model, arch, moe_impl):
     n = len(ids)
     padded = np.zeros(bucket(n), np.int32)
     padded[:n] = ids
-    logits, _, _ = prefill(
+    logits, _, _, _ = prefill(
         model.weights, [], [], jnp.asarray(padded), 0, 0, n,
         cfg=model.config, hist_len=0, all_logits=True, moe_impl=moe_impl,
     )

@@ -33,6 +33,7 @@ class Sampled:
     logprob: float
     next_key: np.ndarray
     top: tuple[tuple[int, float], ...]  # (token id, logprob) best first; empty unless asked
+    experts: np.ndarray  # the experts that computed the token fed in: [MoE layers, k...]
 
 
 @dataclass
@@ -59,33 +60,34 @@ class ModelRunner:
     def prefill(self, slot: int, ids: list[int], offset: int, row: SamplingRow) -> Sampled:
         """Run `ids` (at most one chunk) into `slot` at `offset` and sample the next token
         from the last one's logits."""
-        t = time.perf_counter()
-        logits, self.kv = prefill_slot(self.model, self.kv, self.geo, slot, ids, offset)
-        logits.block_until_ready()
-        self.times.prefill += time.perf_counter() - t
-        self.times.counts["prefill"] += 1
-        return self._sample(logits[None], [row])[0]
+        logits, experts = self.extend(slot, ids, offset)
+        # the prompt's routing counts toward the first token: [layers, k·len(ids)]
+        return self._sample(logits[None], [row], experts.reshape(1, experts.shape[0], -1))[0]
 
-    def extend(self, slot: int, ids: list[int], offset: int) -> None:
-        """Run a chunk whose logits nobody needs (not the prompt's last)."""
+    def extend(self, slot: int, ids: list[int], offset: int):
+        """Run a chunk into the cache: (logits after its last token, routing [layers, t, k])."""
         t = time.perf_counter()
-        logits, self.kv = prefill_slot(self.model, self.kv, self.geo, slot, ids, offset)
-        logits.block_until_ready()
+        logits, self.kv, experts = prefill_slot(
+            self.model, self.kv, self.geo, slot, ids, offset, with_routing=True
+        )
         self.times.prefill += time.perf_counter() - t
         self.times.counts["prefill"] += 1
+        return logits, experts
 
     def decode(self, tokens: list[int], slots: list[int], positions: list[int],
                rows: list[SamplingRow]) -> list[Sampled]:
         """One batched step: each row feeds its token at its position in its slot, then
         samples its next token."""
         t = time.perf_counter()
-        logits, self.kv = decode_step(self.model, self.kv, self.geo, tokens, slots, positions)
-        logits.block_until_ready()
+        logits, self.kv, experts = decode_step(
+            self.model, self.kv, self.geo, tokens, slots, positions, with_routing=True
+        )
         self.times.decode += time.perf_counter() - t
         self.times.counts["decode"] += 1
-        return self._sample(logits, rows)
+        return self._sample(logits, rows, experts.transpose(1, 0, 2))
 
-    def _sample(self, logits, rows: list[SamplingRow]) -> list[Sampled]:
+    def _sample(self, logits, rows: list[SamplingRow], experts: np.ndarray) -> list[Sampled]:
+        """experts: per row, the routing of what it fed in, [rows, MoE layers, ...]."""
         t = time.perf_counter()
         n_top = TOP_CANDIDATES if any(r.want_top for r in rows) else 0
         tokens, logprobs, keys, top_ids, top_lp = sample(
@@ -105,6 +107,7 @@ class ModelRunner:
                 logprob=float(logprobs[i]),
                 next_key=keys[i],
                 top=tuple(zip(top_ids[i].tolist(), top_lp[i].tolist())) if r.want_top else (),
+                experts=experts[i],
             )
             for i, r in enumerate(rows)
         ]

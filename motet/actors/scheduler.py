@@ -112,6 +112,12 @@ class Active:
     def rid(self) -> int:
         return self.submit.request_id
 
+    def count_experts(self, experts: np.ndarray) -> None:
+        """Add routed-expert ids ([MoE layers, ...]) to this turn's per-layer counts."""
+        if self.expert_counts is not None and experts.size:
+            layers = experts.reshape(experts.shape[0], -1)
+            np.add.at(self.expert_counts, (np.arange(layers.shape[0])[:, None], layers), 1)
+
     def sampling_row(self) -> SamplingRow:
         r = self.request
         return SamplingRow(r.temperature, r.top_p, self.key, r.top_logprobs > 0)
@@ -125,6 +131,8 @@ class Scheduler:
         self.slots = slots
         self.queue_limit = queue_limit
         self.max_context = runner.geo.max_context
+        cfg = runner.model.config
+        self.expert_zeros = np.zeros((sum(cfg.moe_layers), cfg.n_experts), np.int64)
         self.chunk = runner.geo.chunk
         self.inbox = open_inbox()
         self.active: dict[int, Active] = {}
@@ -255,6 +263,7 @@ class Scheduler:
             submit=sub, slot=slot, reused=reused, cursor=reused,
             detok=IncrementalDetokenizer(self.tokenizer), stops=StopMatcher(req.stop),
             key=self.runner.new_key(seed), started=time.perf_counter(),
+            expert_counts=self.expert_zeros.copy(),
         )
         self.active[sub.request_id] = act
         self.prefilling.append(sub.request_id)
@@ -273,9 +282,10 @@ class Scheduler:
                 limiter=self.limiter,
             )
         else:
-            await trio.to_thread.run_sync(
+            _, experts = await trio.to_thread.run_sync(
                 self.runner.extend, act.slot, chunk, act.cursor, limiter=self.limiter
             )
+            act.count_experts(experts)
         act.sample_s += self.runner.times.sample - sampling
         act.prefill_s += time.perf_counter() - started - (self.runner.times.sample - sampling)
         act.cursor += len(chunk)
@@ -316,6 +326,7 @@ class Scheduler:
         if act.first_token_at is None:
             act.first_token_at = now
         act.key = sampled.next_key
+        act.count_experts(sampled.experts)
         token = sampled.token
         if token in self.eos:
             await self._finish(act, "stop")
@@ -398,7 +409,8 @@ class Scheduler:
             await self._start(self.waiting.popleft(), slot)
 
     def _publish(self, act: Active):
-        event = Telemetry(act.rid, act.prefill_s, act.decode_s, act.sample_s)
+        counts = tuple(tuple(int(c) for c in layer) for layer in act.expert_counts)
+        event = Telemetry(act.rid, act.prefill_s, act.decode_s, act.sample_s, counts)
         for ch in list(self.telemetry_subscribers):
             try:
                 ch.send_nowait(event)

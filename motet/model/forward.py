@@ -114,10 +114,11 @@ def attend_rows(cfg, q, k, v, k_cache, v_cache, slots, positions, hist_len):
     return out.reshape(b, -1)
 
 
-def ffn(cfg: ModelConfig, layer: dict, x: jax.Array, moe_impl: str) -> jax.Array:
+def ffn(cfg: ModelConfig, layer: dict, x: jax.Array, moe_impl: str):
+    """(output, chosen expert ids [t, k] or None for a dense layer)."""
     if "router" in layer:
         return moe_ffn(cfg, layer, x, moe_impl)
-    return dense_ffn(layer, x)
+    return dense_ffn(layer, x), None
 
 
 def lm_head(cfg: ModelConfig, weights: dict, x: jax.Array) -> jax.Array:
@@ -133,15 +134,18 @@ def embed(weights: dict, tokens: jax.Array) -> jax.Array:
 
 def _layers(cfg, weights, x, positions, attend, moe_impl):
     """Run every layer; attend(i, q, k, v) is the attention for layer i. Returns the final
-    hidden states and each layer's new K and V rows."""
-    new_k, new_v = [], []
+    hidden states, each layer's new K and V rows, and each MoE layer's expert ids."""
+    new_k, new_v, routing = [], [], []
     for i, layer in enumerate(weights["layers"]):
         q, k, v = qkv(cfg, layer, rms_norm(x, layer["attn_norm"], cfg.rms_eps), positions)
         new_k.append(k)
         new_v.append(v)
         x = x + jnp.dot(attend(i, q, k, v), layer["wo"])
-        x = x + ffn(cfg, layer, rms_norm(x, layer["ffn_norm"], cfg.rms_eps), moe_impl)
-    return x, new_k, new_v
+        y, ids = ffn(cfg, layer, rms_norm(x, layer["ffn_norm"], cfg.rms_eps), moe_impl)
+        x = x + y
+        if ids is not None:
+            routing.append(ids)
+    return x, new_k, new_v, routing
 
 
 @partial(jax.jit, static_argnames=("cfg", "hist_len", "all_logits", "moe_impl"))
@@ -154,7 +158,7 @@ def prefill(
     (hist_len ≥ offset, static; 0 for a fresh slot).
 
     Returns (logits [t, vocab] if all_logits else [vocab] of the last real token,
-    new K per layer [k, d, t], new V per layer [k, t, d]).
+    new K per layer [k, d, t], new V per layer [k, t, d], expert ids per MoE layer [t, k]).
     """
     positions = offset + jnp.arange(tokens.shape[0])
     x = embed(weights, tokens)
@@ -167,13 +171,13 @@ def prefill(
         hist_v = jax.lax.dynamic_slice(v_cache[i], (slot, 0, 0, 0), (1, nk, hist_len, hd))[0]
         return attend_chunk(cfg, q, k, v, hist_k, hist_v, offset)
 
-    x, new_k, new_v = _layers(cfg, weights, x, positions, attend, moe_impl)
+    x, new_k, new_v, routing = _layers(cfg, weights, x, positions, attend, moe_impl)
     if not all_logits:
         x = jax.lax.dynamic_slice_in_dim(x, n_valid - 1, 1)
     logits = lm_head(cfg, weights, x)
     new_k = [k.transpose(1, 2, 0) for k in new_k]
     new_v = [v.transpose(1, 0, 2) for v in new_v]
-    return (logits if all_logits else logits[0]), new_k, new_v
+    return (logits if all_logits else logits[0]), new_k, new_v, routing
 
 
 @partial(jax.jit, static_argnames=("cfg", "hist_len", "moe_impl"))
@@ -181,15 +185,16 @@ def decode(weights, k_cache, v_cache, tokens, slots, positions, *, cfg, hist_len
     """One decode step for rows b: token tokens[b] at positions[b] in slot slots[b],
     attending to that slot's cached positions < positions[b] (hist_len > every position).
 
-    Returns (logits [b, vocab], new K rows per layer [b, k, d], new V rows per layer).
+    Returns (logits [b, vocab], new K rows per layer [b, k, d], new V rows per layer,
+    expert ids per MoE layer [b, k]).
     """
     x = embed(weights, tokens)
 
     def attend(i, q, k, v):
         return attend_rows(cfg, q, k, v, k_cache[i], v_cache[i], slots, positions, hist_len)
 
-    x, new_k, new_v = _layers(cfg, weights, x, positions, attend, moe_impl)
-    return lm_head(cfg, weights, x), new_k, new_v
+    x, new_k, new_v, routing = _layers(cfg, weights, x, positions, attend, moe_impl)
+    return lm_head(cfg, weights, x), new_k, new_v, routing
 
 
 @partial(jax.jit, donate_argnums=(0, 1))

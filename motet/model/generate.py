@@ -15,36 +15,49 @@ from .model import Model
 from .sampling import request_key, sample
 
 
+def _routing(per_layer: list, rows: int) -> np.ndarray:
+    """Expert ids of the real rows, [MoE layers, rows, k] (k = 0 for a dense model)."""
+    if not per_layer:
+        return np.zeros((0, rows, 0), np.int32)
+    return np.stack([np.asarray(ids[:rows]) for ids in per_layer])
+
+
 def prefill_slot(model: Model, kv, geo: KVGeometry, slot: int, ids: Sequence[int], offset: int,
-                 moe_impl: str = "auto"):
+                 moe_impl: str = "auto", with_routing: bool = False):
     """Run `ids` into `slot` from position `offset` in chunks of at most geo.chunk tokens.
 
-    Returns (logits [vocab] after the last token, the updated kv).
+    Returns (logits [vocab] after the last token, the updated kv), plus with_routing the
+    chosen experts [MoE layers, len(ids), k].
     """
     if offset + len(ids) > geo.max_context:
         raise ContextLengthError(offset + len(ids), geo.max_context)
     k, v = kv
-    logits = None
+    logits, routing = None, []
     for start in range(0, len(ids), geo.chunk):
         chunk = np.asarray(ids[start : start + geo.chunk], np.int32)
         padded = np.zeros(bucket(len(chunk), cap=geo.chunk), np.int32)
         padded[: len(chunk)] = chunk
         pos = offset + start
         hist_len = bucket(pos, cap=geo.length) if pos else 0
-        logits, new_k, new_v = prefill(
+        logits, new_k, new_v, chosen = prefill(
             model.weights, k, v, jnp.asarray(padded), slot, pos, len(chunk),
             cfg=model.config, hist_len=hist_len, moe_impl=moe_impl,
         )
         k, v = write_chunk(k, v, new_k, new_v, slot, pos)
+        if with_routing:
+            routing.append(_routing(chosen, len(chunk)))
+    if with_routing:
+        return logits, (k, v), np.concatenate(routing, axis=1)
     return logits, (k, v)
 
 
 def decode_step(model: Model, kv, geo: KVGeometry, tokens: Sequence[int], slots: Sequence[int],
-                positions: Sequence[int], moe_impl: str = "auto"):
+                positions: Sequence[int], moe_impl: str = "auto", with_routing: bool = False):
     """One batched step: row i feeds tokens[i] at positions[i] of slots[i].
 
     Rows are padded to a batch bucket with rows that write to the scratch slot.
-    Returns (logits [rows, vocab] for the real rows, the updated kv).
+    Returns (logits [rows, vocab] for the real rows, the updated kv), plus with_routing
+    the chosen experts [MoE layers, rows, k].
     """
     n = len(tokens)
     b = batch_bucket(n)
@@ -54,11 +67,13 @@ def decode_step(model: Model, kv, geo: KVGeometry, tokens: Sequence[int], slots:
     tok[:n], slot[:n], pos[:n] = tokens, slots, positions
     hist_len = bucket(int(pos.max()), cap=geo.length)
     k, v = kv
-    logits, new_k, new_v = decode(
+    logits, new_k, new_v, chosen = decode(
         model.weights, k, v, jnp.asarray(tok), jnp.asarray(slot), jnp.asarray(pos),
         cfg=model.config, hist_len=hist_len, moe_impl=moe_impl,
     )
     k, v = write_rows(k, v, new_k, new_v, jnp.asarray(slot), jnp.asarray(pos))
+    if with_routing:
+        return logits[:n], (k, v), _routing(chosen, n)
     return logits[:n], (k, v)
 
 

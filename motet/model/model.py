@@ -48,7 +48,7 @@ class Model:
             raise ContextLengthError(n, self.config.max_context)
         padded = np.zeros(bucket(n), np.int32)
         padded[:n] = ids
-        logits, _, _ = prefill(
+        logits, _, _, _ = prefill(
             self.weights, [], [], jnp.asarray(padded), 0, 0, n,
             cfg=self.config, hist_len=0, all_logits=True,
         )

@@ -89,16 +89,18 @@ def group_block(assignments: int, n_experts: int) -> int:
     return min(64, 1 << (share.bit_length() - 1))
 
 
-def moe_ffn(cfg: ModelConfig, layer: dict, x: jax.Array, impl: str = "auto") -> jax.Array:
+def moe_ffn(cfg: ModelConfig, layer: dict, x: jax.Array, impl: str = "auto"):
+    """(output [t, d], the chosen expert ids [t, k])."""
     weights, ids = route(cfg, layer["router"], x)
     gate_up, down = layer["experts_gate_up"], layer["experts_down"]
     if impl == "auto":
         impl = "grouped" if jax.default_backend() == "cpu" else "ragged"
     if impl == "ragged":
-        return experts_ragged(x, weights, ids, gate_up, down)
+        return experts_ragged(x, weights, ids, gate_up, down), ids
     if impl != "grouped":
         raise ValueError(f"unknown MoE implementation {impl!r}; choose from {MOE_IMPLS}")
-    return experts_grouped(x, weights, ids, gate_up, down, group_block(ids.size, cfg.n_experts))
+    block = group_block(ids.size, cfg.n_experts)
+    return experts_grouped(x, weights, ids, gate_up, down, block), ids
 
 
 def dense_ffn(layer: dict, x: jax.Array) -> jax.Array:
