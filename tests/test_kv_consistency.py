@@ -108,7 +108,7 @@ def test_bucket_padding_does_not_change_results(tiny_model, arch):
     for size in (bucket(n), 2 * bucket(n), 4 * bucket(n)):
         padded = np.zeros(size, np.int32)
         padded[:n] = prompt
-        logits, new_k, new_v = prefill(
+        logits, new_k, new_v, _ = prefill(
             model.weights, [], [], jnp.asarray(padded), 0, 0, n, cfg=model.config, hist_len=0
         )
         outs.append((np.asarray(logits), [np.asarray(x[..., :n]) for x in new_k],
