@@ -62,7 +62,8 @@ class ModelRunner:
         from the last one's logits."""
         logits, experts = self.extend(slot, ids, offset)
         # the prompt's routing counts toward the first token: [layers, k·len(ids)]
-        return self._sample(logits[None], [row], experts.reshape(1, experts.shape[0], -1))[0]
+        layers, tokens, k = experts.shape
+        return self._sample(logits[None], [row], experts.reshape(1, layers, tokens * k))[0]
 
     def extend(self, slot: int, ids: list[int], offset: int):
         """Run a chunk into the cache: (logits after its last token, routing [layers, t, k])."""
