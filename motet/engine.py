@@ -19,12 +19,12 @@ import trio
 
 from .actors.kv_slot import KVSlot
 from .actors.runner import ModelRunner
-from .actors.scheduler import Accepted, Cancel, Drain, Scheduler, StopNow, Submit, Subscribe
+from .actors.scheduler import Cancel, Drain, Scheduler, StopNow, Submit, Subscribe
 from .model.kv import KVGeometry
 from .model.model import Model
 from .runtime.actor import open_reply, open_stream
 from .runtime.api import Completion, FinishEvent, GenerationRequest, TokenEvent
-from .runtime.errors import Cancelled, EngineClosed, EngineError
+from .runtime.errors import Cancelled, EngineClosed, EngineError, NotFound
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,10 @@ class Engine:
         self.queue_limit = queue_limit
         self.model: Model | None = None
         self._scheduler: Scheduler | None = None
-        self._ids = itertools.count(1)
+        # Ids the engine picks live in the top half of u64, so they never meet the small
+        # ids callers (and mux clients) choose themselves.
+        self._ids = itertools.count(1 << 63)
+        self._closed = False
         self._nursery_cm = None
         self._nursery: trio.Nursery | None = None
 
@@ -119,21 +122,38 @@ class Engine:
         return self
 
     async def __aexit__(self, exc_type, exc, tb):
-        if exc is None:
-            await self.drain()  # requests in flight finish first
-        self._nursery.cancel_scope.cancel()
-        return await self._nursery_cm.__aexit__(exc_type, exc, tb)
+        try:
+            if exc is None:
+                await self.drain()  # requests in flight finish first
+            self._nursery.cancel_scope.cancel()
+            return await self._nursery_cm.__aexit__(exc_type, exc, tb)
+        except BaseExceptionGroup as group:
+            if exc is not None and group.exceptions == (exc,):
+                return False  # the caller's own exception, unwrapped from the nursery's group
+            raise
+        finally:
+            self._closed = True
 
     async def drain(self) -> None:
         """Refuse new requests and wait until every request in flight has finished."""
-        reply, done = open_reply()
-        await self._inbox().send(Drain(reply))
-        await done.receive()
+        await self._ask(Drain)
 
-    def _inbox(self) -> trio.MemorySendChannel:
-        if self._scheduler is None:
+    async def _send(self, message) -> None:
+        if self._scheduler is None or self._closed:
             raise EngineClosed()
-        return self._scheduler.inbox.send
+        try:
+            await self._scheduler.inbox.send.send(message)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise EngineClosed() from None
+
+    async def _ask(self, make_message):
+        """Send a message carrying a reply channel and wait for the answer."""
+        reply, answer = open_reply()
+        await self._send(make_message(reply))
+        try:
+            return await answer.receive()
+        except trio.EndOfChannel:
+            raise EngineClosed() from None
 
     # ---- the API --------------------------------------------------------------------
 
@@ -162,22 +182,26 @@ class Engine:
         )
         rid = request_id if request_id is not None else next(self._ids)
         send, receive = open_stream()
-        await self._inbox().send(Submit(rid, request, self.encode(prompt), send))
+        await self._send(Submit(rid, request, self.encode(prompt), send))
+        events = EventStream(rid, receive)
+        refused = False
         with receive:
             try:
-                first = await receive.receive()
-            except trio.EndOfChannel:
-                raise EngineClosed() from None
-            if isinstance(first, EngineError):
-                raise first
-            assert isinstance(first, Accepted)
-            events = EventStream(rid, receive)
-            try:
+                try:
+                    first = await receive.receive()
+                except trio.EndOfChannel:
+                    raise EngineClosed() from None
+                if isinstance(first, EngineError):
+                    refused = True
+                    raise first
                 yield events
             finally:
-                if events.finish is None:
+                if not refused and events.finish is None:
                     with trio.CancelScope(shield=True):
-                        await self._inbox().send(Cancel(rid))
+                        try:
+                            await self._send(Cancel(rid))
+                        except EngineClosed:
+                            pass
 
     async def complete(self, prompt, **kwargs) -> Completion:
         """The same as stream(), collected. A request cancelled meanwhile raises Cancelled."""
@@ -204,15 +228,18 @@ class Engine:
         return self.stream(self.render_chat(messages), **kwargs)
 
     async def cancel(self, request_id: int) -> None:
-        await self._inbox().send(Cancel(request_id))
+        """Cancel a request in flight; NotFound when there is none with this id."""
+        if not await self._ask(lambda reply: Cancel(request_id, reply)):
+            raise NotFound(request_id)
 
     async def stop(self, request_id: int) -> None:
-        """End a request now through its normal finish."""
-        await self._inbox().send(StopNow(request_id))
+        """End a request now through its normal finish; NotFound when there is none."""
+        if not await self._ask(lambda reply: StopNow(request_id, reply)):
+            raise NotFound(request_id)
 
     async def telemetry(self, buffer: int = 64) -> trio.MemoryReceiveChannel:
         """A channel of per-turn Telemetry; a full channel misses turns rather than
         slowing the engine."""
         send, receive = trio.open_memory_channel(buffer)
-        await self._inbox().send(Subscribe(send))
+        await self._send(Subscribe(send))
         return receive

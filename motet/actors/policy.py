@@ -28,7 +28,7 @@ class SlotView:
 def reusable_prefix(history: Sequence[int], prompt: Sequence[int]) -> int:
     """Prompt tokens whose KV a slot can keep. At least the last prompt token is always
     run again, since its logits pick the first new token."""
-    return min(common_prefix(history, prompt), len(prompt) - 1)
+    return max(0, min(common_prefix(history, prompt), len(prompt) - 1))
 
 
 def choose_slot(slots: Sequence[SlotView], prompt: Sequence[int]) -> int | None:
@@ -58,10 +58,12 @@ class StopMatcher:
         if not self.stops:
             return text, False
         buf = self.pending + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        # The match that ends first wins (ties: the one that starts first), so the result
+        # does not depend on how the text arrived, even when one stop contains another.
+        hits = [(i + len(s), i) for s, i in ((s, buf.find(s)) for s in self.stops) if i >= 0]
         if hits:
             self.pending = ""
-            return buf[: min(hits)], True
+            return buf[: min(hits)[1]], True
         hold = 0
         for stop in self.stops:
             for k in range(min(len(stop) - 1, len(buf)), 0, -1):

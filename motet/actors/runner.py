@@ -55,7 +55,7 @@ class ModelRunner:
 
     @staticmethod
     def new_key(seed: int) -> np.ndarray:
-        return np.asarray(request_key(seed))
+        return np.asarray(request_key(seed % (1 << 63)))  # JAX seeds are int64
 
     def prefill(self, slot: int, ids: list[int], offset: int, row: SamplingRow) -> Sampled:
         """Run `ids` (at most one chunk) into `slot` at `offset` and sample the next token

@@ -54,6 +54,7 @@ class Submit:
 @dataclass(frozen=True)
 class Cancel:
     request_id: int
+    reply: trio.MemorySendChannel | None = None  # gets True, or False for an unknown id
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class StopNow:
     """End a request now through its normal finish (finish reason `stop`)."""
 
     request_id: int
+    reply: trio.MemorySendChannel | None = None  # gets True, or False for an unknown id
 
 
 @dataclass(frozen=True)
@@ -162,12 +164,28 @@ class Scheduler:
                 if self.decoding:
                     await self._decode_step()
         finally:
-            # Whatever ends the loop, nobody waits forever on a stream: a closed stream
-            # without a finish event reads as "the engine is shutting down".
+            # Whatever ends the loop, nobody waits forever: later sends to the inbox fail,
+            # and a stream closed without a finish event reads as "shutting down".
+            self._refuse_queued_messages()
             for act in self.active.values():
                 act.submit.events.close()
             for sub in self.waiting:
                 sub.events.close()
+
+    def _refuse_queued_messages(self):
+        while True:
+            try:
+                msg = self.inbox.receive.receive_nowait()
+            except (trio.WouldBlock, trio.ClosedResourceError):
+                break
+            match msg:
+                case Submit(events=events):
+                    events.close()
+                case Cancel(reply=reply) | StopNow(reply=reply) if reply is not None:
+                    reply.send_nowait(False)
+                case Drain(reply):
+                    reply.send_nowait(None)
+        self.inbox.receive.close()
 
     def _notify_drained(self):
         if self.closing and not self.active and not self.waiting:
@@ -187,17 +205,22 @@ class Scheduler:
         match msg:
             case Submit():
                 await self._submit(msg)
-            case Cancel(rid):
-                await self._cancel(rid)
+            case Cancel(rid, reply):
+                found = await self._cancel(rid)
+                if reply is not None:
+                    reply.send_nowait(found)
             case Subscribe(channel):
                 self.telemetry_subscribers.append(channel)
             case Drain(reply):
                 self.closing = True
                 self.drained.append(reply)
                 self._notify_drained()
-            case StopNow(rid):
-                if rid in self.active:
+            case StopNow(rid, reply):
+                found = rid in self.active
+                if found:
                     await self._finish(self.active[rid], "stop")
+                if reply is not None:
+                    reply.send_nowait(found)
             case _:
                 raise TypeError(f"the scheduler got an unknown message {msg!r}")
 
@@ -354,14 +377,16 @@ class Scheduler:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return False  # the reader is gone: treat it as a cancel
 
-    async def _cancel(self, rid: int):
+    async def _cancel(self, rid: int) -> bool:
         for sub in list(self.waiting):
             if sub.request_id == rid:
                 self.waiting.remove(sub)
                 self._send_final_cancel(sub, rid)
-                return
+                return True
         if rid in self.active:
             await self._finish(self.active[rid], "cancelled")
+            return True
+        return False
 
     def _send_final_cancel(self, sub: Submit, rid: int):
         stats = TurnStats(rid, -1, "cancelled", len(sub.prompt), 0, 0, 0.0, 0.0, 0.0)

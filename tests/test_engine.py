@@ -1,0 +1,588 @@
+"""The Engine end to end, on real models (no mocks): continuous batching, prefix reuse,
+cancellation, typed errors, shutdown, chunked prefill, stop strings, telemetry, seeds.
+
+Models are loaded once per session (conftest); an Engine around a loaded Model is cheap,
+so each test builds its own. Engines of one model share a geometry where they can, so
+they share compiled functions. Every test runs under a hard timeout; none asserts timing.
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import partial
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from motet.actors.policy import common_prefix
+from motet.engine import Engine
+from motet.runtime.api import FinishEvent, Telemetry, TokenEvent
+from motet.runtime.errors import (
+    BadRequest,
+    ContextExceeded,
+    DuplicateId,
+    EmptyPrompt,
+    EngineClosed,
+    EngineError,
+    QueueFull,
+    SlotBusy,
+)
+
+# The tiny llama checkpoint (vocab 512, context 512): for tests that need *a* model.
+TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16)
+# The default model (SmolLM2-135M): one geometry for all its engines.
+SMOL = dict(kv_slots=16, max_context=512, prefill_chunk=64)
+
+TIMEOUT = 240  # seconds; a hang fails the test instead of the suite
+
+
+@pytest.fixture
+def llama(tiny_model):
+    return tiny_model("llama")
+
+
+async def run(engine: Engine, prompt, **kwargs) -> tuple[list[TokenEvent], FinishEvent]:
+    """One request, streamed to the end: its token events and its finish event."""
+    async with engine.stream(prompt, **kwargs) as events:
+        tokens = [event async for event in events if isinstance(event, TokenEvent)]
+    return tokens, events.finish
+
+
+def ids(tokens: list[TokenEvent]) -> list[int]:
+    return [t.token_id for t in tokens]
+
+
+def text(tokens: list[TokenEvent], finish: FinishEvent) -> str:
+    return "".join(t.text for t in tokens) + finish.text_tail
+
+
+def resident(prompt: tuple[int, ...], generated: list[int], finish: FinishEvent) -> tuple[int, ...]:
+    """The tokens whose KV a slot holds after a turn: the prompt and every generated token
+    fed back. The last emitted token is fed back only when the turn ended on an
+    end-of-turn token (sampled after it); on `length` or a cancel it was never run."""
+    fed = generated if finish.stats.finish_reason == "stop" else generated[:-1]
+    return tuple(prompt) + tuple(fed)
+
+
+# ---- 1. continuous batching ------------------------------------------------------------
+
+
+async def test_sixteen_concurrent_streams_match_each_alone(default_model):
+    topics = ["apples", "the sea", "Paris", "rain", "chess", "bees", "tea", "winter",
+              "trains", "Mars", "bread", "owls", "jazz", "glass", "maps", "salt"]
+    with trio.fail_after(TIMEOUT):
+        async with Engine(default_model, **SMOL) as engine:
+            prompts = [engine.render_chat([{"role": "user", "content": f"Tell me about {t}."}])
+                       for t in topics]
+            # Each prompt alone, on a slot of its own that held nothing before.
+            alone = [await engine.complete(p, max_tokens=16, slot=i) for i, p in enumerate(prompts)]
+
+        async with Engine(default_model, **SMOL) as engine:
+            together = {}
+
+            async def one(i):
+                together[i] = await engine.complete(prompts[i], max_tokens=16)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(one, i)
+
+    assert len({c.stats.slot for c in together.values()}) == 16  # all ran at once
+    for i, ref in enumerate(alone):
+        got = together[i]
+        assert got.stats.finish_reason in ("stop", "length")
+        assert got.stats.reused_tokens == 0
+        assert got.token_ids == ref.token_ids, topics[i]
+        assert got.text == ref.text
+
+
+# ---- 2. prefix reuse across turns ------------------------------------------------------
+
+
+async def test_second_turn_reuses_the_prefix(llama):
+    first = [{"role": "user", "content": "What is the capital of France?"}]
+    other = [{"role": "user", "content": "What is the capital of Spain?"}]
+    with trio.fail_after(TIMEOUT):
+        async with Engine(llama, **TINY) as engine:
+            p1 = engine.encode(engine.render_chat(first))
+            tokens1, finish1 = await run(engine, engine.render_chat(first), max_tokens=12, slot=3)
+            assert finish1.stats.reused_tokens == 0
+
+            # A new prompt that parts from the first inside the first prompt: the slot
+            # keeps exactly the common prefix of the two prompts.
+            p2 = engine.encode(engine.render_chat(other))
+            tokens2, finish2 = await run(engine, engine.render_chat(other), max_tokens=12, slot=3)
+            assert finish2.stats.slot == 3
+            assert 0 < common_prefix(p1, p2) < len(p1)
+            assert finish2.stats.reused_tokens == min(common_prefix(p1, p2), len(p2) - 1)
+            fresh2, _ = await run(engine, engine.render_chat(other), max_tokens=12, slot=1)
+            assert ids(tokens2) == ids(fresh2)
+
+            # The conversation goes on: the whole previous turn (prompt and reply) is
+            # resident, so all of it that the new prompt repeats is reused.
+            reply = text(tokens2, finish2)
+            chat3 = other + [{"role": "assistant", "content": reply},
+                             {"role": "user", "content": "And of Italy?"}]
+            p3 = engine.encode(engine.render_chat(chat3))
+            held = resident(p2, ids(tokens2), finish2)
+            tokens3, finish3 = await run(engine, engine.render_chat(chat3), max_tokens=12, slot=3)
+            assert finish3.stats.reused_tokens == min(common_prefix(held, p3), len(p3) - 1)
+            assert finish3.stats.reused_tokens >= len(p2)  # all of the previous prompt, at least
+            fresh3, _ = await run(engine, engine.render_chat(chat3), max_tokens=12, slot=2)
+            assert ids(tokens3) == ids(fresh3)
+
+
+# ---- 3. cancellation -------------------------------------------------------------------
+
+# Token 2 is <|im_end|>, an end-of-turn token: the model never emits it, so a prompt that
+# continues with it cannot share more than the tokens before it with a slot's history.
+EOT = 2
+
+
+async def test_cancel_by_leaving_the_stream_block(llama):
+    with trio.fail_after(TIMEOUT):
+        async with Engine(llama, **TINY) as engine:
+            p1 = engine.encode("Once upon a time there was a tiny model")
+            got = []
+            async with engine.stream(p1, max_tokens=200, slot=1) as events:
+                async for event in events:
+                    got.append(event.token_id)
+                    if len(got) == 5:
+                        break  # leaving the block cancels the request
+
+            # The slot is free at once: a request naming it is accepted, not SlotBusy.
+            p2 = p1 + tuple(got) + (EOT, 40, 41, 42)
+            tokens, finish = await run(engine, p2, max_tokens=8, slot=1)
+            assert finish.stats.slot == 1
+            # The KV computed before the cancel is kept: the prompt and the generated
+            # tokens fed back (at least the four before the last one received).
+            assert len(p1) + len(got) - 1 <= finish.stats.reused_tokens <= len(p1) + len(got)
+            fresh, _ = await run(engine, p2, max_tokens=8, slot=3)
+            assert ids(tokens) == ids(fresh)
+
+
+async def test_cancel_from_another_task(llama):
+    with trio.fail_after(TIMEOUT):
+        async with Engine(llama, **TINY) as engine:
+            p1 = engine.encode("A long story about a small robot")
+            got, finish = [], None
+            running = trio.Event()
+
+            async def reader(*, task_status=trio.TASK_STATUS_IGNORED):
+                nonlocal finish
+                async with engine.stream(p1, max_tokens=200, slot=2) as events:
+                    task_status.started(events.request_id)
+                    async for event in events:
+                        if isinstance(event, TokenEvent):
+                            got.append(event.token_id)
+                            if len(got) == 4:
+                                running.set()
+                finish = events.finish
+
+            async with trio.open_nursery() as nursery:
+                rid = await nursery.start(reader)
+                await running.wait()
+                await engine.cancel(rid)
+                # Right away, a request naming the slot is accepted (the cancel is handled
+                # first); the reader may still be reading its last events meanwhile.
+                seen = tuple(got)
+                p2 = p1 + seen + (EOT, 50, 51)
+                tokens, next_finish = await run(engine, p2, max_tokens=8, slot=2)
+
+            assert finish.stats.finish_reason == "cancelled"
+            assert finish.stats.emitted_tokens == len(got) < 200
+            assert next_finish.stats.slot == 2
+            # The next turn kept the KV computed before the cancel: the prompt and the
+            # generated tokens fed back, as far as the new prompt repeats them.
+            held = resident(p1, got, finish)
+            assert next_finish.stats.reused_tokens == min(common_prefix(held, p2), len(p2) - 1)
+            assert next_finish.stats.reused_tokens >= len(p1) + len(seen) - 1
+            fresh, _ = await run(engine, p2, max_tokens=8, slot=0)
+            assert ids(tokens) == ids(fresh)
+
+
+# ---- 4. typed errors -------------------------------------------------------------------
+
+
+async def test_errors_leave_other_requests_untouched(llama):
+    long_prompt = "The quick brown fox jumps over the lazy dog"
+    with trio.fail_after(TIMEOUT):
+        async with Engine(llama, **TINY) as engine:
+            long_tokens, long_finish = [], None
+            streaming = trio.Event()
+
+            async def long_request(*, task_status=trio.TASK_STATUS_IGNORED):
+                nonlocal long_finish
+                async with engine.stream(long_prompt, max_tokens=180, slot=0) as events:
+                    task_status.started(events.request_id)
+                    async for event in events:
+                        if isinstance(event, TokenEvent):
+                            long_tokens.append(event)
+                            streaming.set()
+                long_finish = events.finish
+
+            async with trio.open_nursery() as nursery:
+                rid = await nursery.start(long_request)
+                await streaming.wait()
+                streamed_before = len(long_tokens)
+
+                with pytest.raises(SlotBusy) as busy:
+                    async with engine.stream("hi", slot=0):
+                        pass
+                assert busy.value.slot == 0
+                with pytest.raises(DuplicateId) as dup:
+                    await engine.complete("hi", request_id=rid)
+                assert dup.value.request_id == rid
+                for empty in ("", [], ()):
+                    with pytest.raises(EmptyPrompt):
+                        await engine.complete(empty)
+                for n in (256, 300):
+                    with pytest.raises(ContextExceeded) as ctx:
+                        await engine.complete([5] * n)
+                    assert (ctx.value.used, ctx.value.limit) == (n, 256)
+                for bad in (dict(slot=4), dict(slot=-1), dict(top_p=0.0), dict(max_tokens=0),
+                            dict(temperature=-1.0), dict(top_logprobs=6), dict(request_id=0)):
+                    with pytest.raises(BadRequest):
+                        async with engine.stream("hi", **bad):
+                            pass
+                # Every error above came while the long request was in flight, and it
+                # kept streaming meanwhile (each error the scheduler answers costs it at
+                # most one step: it answers between steps).
+                assert long_finish is None
+                assert len(long_tokens) > streamed_before
+
+            assert all(isinstance(e, EngineError) for e in (busy.value, dup.value, ctx.value))
+            assert long_finish.stats.finish_reason == "length"
+            assert long_finish.stats.emitted_tokens == 180
+            # And it produced what it produces alone.
+            alone, _ = await run(engine, long_prompt, max_tokens=180, slot=1)
+            assert ids(long_tokens) == ids(alone)
+
+
+async def test_queue_full(llama):
+    with trio.fail_after(TIMEOUT):
+        async with Engine(llama, kv_slots=1, queue_limit=1, max_context=256,
+                          prefill_chunk=16) as engine:
+            results = {}
+
+            async def request(name, prompt, max_tokens, *, task_status=trio.TASK_STATUS_IGNORED):
+                async with engine.stream(prompt, max_tokens=max_tokens) as events:
+                    task_status.started()  # accepted: running, or waiting for the slot
+                    tokens = [e async for e in events if isinstance(e, TokenEvent)]
+                results[name] = (tokens, events.finish)
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(request, "running", "first in", 150)
+                await nursery.start(request, "waiting", "second in", 60)
+                with pytest.raises(QueueFull) as full:
+                    await engine.complete("third in")
+                assert full.value.limit == 1
+                assert not results  # both still in flight when the third was refused
+
+        for name in ("running", "waiting"):
+            assert results[name][1].stats.finish_reason == "length"
+        # The one that waited got what it gets alone.
+        async with Engine(llama, **TINY) as engine:
+            alone, _ = await run(engine, "second in", max_tokens=60)
+        assert ids(results["waiting"][0]) == ids(alone)
+
+
+async def test_an_engine_chosen_id_never_collides_with_a_callers(llama):
+    with trio.fail_after(TIMEOUT):
+        async with Engine(llama, **TINY) as engine:
+            async with engine.stream("mine", max_tokens=50, request_id=1) as events:
+                # A request that names no id must not be refused for the caller's id.
+                other = await engine.complete("no id of its own", max_tokens=2)
+                async for _ in events:
+                    pass
+    assert other.stats.request_id != 1
+
+
+# ---- 5. shutdown -----------------------------------------------------------------------
+
+
+async def consume(engine, prompt, log, *, ready_after=1, task_status=trio.TASK_STATUS_IGNORED,
+                  **kwargs):
+    """Stream `prompt` into `log`; started once accepted; `ready` after a few tokens. An
+    engine error ends up in the log too."""
+    ready = trio.Event()
+    try:
+        async with engine.stream(prompt, **kwargs) as events:
+            task_status.started(ready)
+            async for event in events:
+                log.append(event)
+                if len(log) >= ready_after:
+                    ready.set()
+    except EngineError as exc:
+        log.append(exc)
+
+
+def idle_trio_workers_only(before: set[threading.Thread]) -> list[str]:
+    """Threads started since `before` that are not idle Trio worker threads. Trio keeps
+    its idle to_thread workers (daemon threads named "Trio thread N" while idle) for ten
+    seconds for reuse; any other new thread, or a worker still running a job (renamed
+    while it runs), would be a leak."""
+    return [t.name for t in set(threading.enumerate()) - before
+            if not (t.daemon and t.name.startswith("Trio thread "))]
+
+
+async def test_leaving_the_engine_finishes_requests_in_flight(llama):
+    before = set(threading.enumerate())
+    logs = [[], [], []]
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as outer:
+            async with Engine(llama, **TINY) as engine:
+                for i, log in enumerate(logs):
+                    await outer.start(partial(consume, engine, f"request {i}", log, max_tokens=40))
+                finished = [any(isinstance(e, FinishEvent) for e in log) for log in logs]
+            # The engine has closed; the consumers read what it finished for them.
+    assert not any(finished)  # all three were in flight when the block was left
+    for log in logs:
+        finish = log[-1]
+        assert isinstance(finish, FinishEvent)
+        assert finish.stats.finish_reason == "length"
+        assert finish.stats.emitted_tokens == len(log) - 1 == 40
+    assert idle_trio_workers_only(before) == []
+
+
+class Boom(Exception):
+    pass
+
+
+async def test_leaving_the_engine_on_an_error_cancels_requests(llama):
+    before = set(threading.enumerate())
+    logs = [[], [], []]
+    raised = []
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as outer:
+            try:
+                async with Engine(llama, **TINY) as engine:
+                    ready = [await outer.start(partial(consume, engine, f"request {i}", log,
+                                                       ready_after=2, max_tokens=200))
+                             for i, log in enumerate(logs)]
+                    for event in ready:
+                        await event.wait()  # all three are decoding
+                    raise Boom()
+            except Boom as exc:  # the caller's own exception, not wrapped in a group
+                raised.append(exc)
+            # The consumers live in `outer`, which is not cancelled: they end because the
+            # engine closed their streams, not because their own scope was cancelled.
+    assert raised
+    for log in logs:
+        assert 2 <= len(log) - 1 < 200
+        assert isinstance(log[-1], EngineClosed)
+        assert not any(isinstance(e, FinishEvent) for e in log)
+    assert idle_trio_workers_only(before) == []
+
+
+async def test_a_closed_engine_refuses_requests(llama):
+    async with Engine(llama, **TINY) as engine:
+        pass
+    outcome = []
+
+    async def late():
+        try:
+            await engine.complete("too late", max_tokens=2)
+        except EngineClosed as exc:
+            outcome.append(exc)
+
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(late)
+            await trio.testing.wait_all_tasks_blocked()
+            # No engine task is left to answer: if the call is still waiting, it hangs.
+            nursery.cancel_scope.cancel()
+    assert len(outcome) == 1
+
+
+# ---- 6. chunked prefill does not starve decoding ---------------------------------------
+
+
+async def test_a_long_prompt_does_not_stall_running_streams(llama):
+    long_prompt = tuple(np.random.default_rng(7).integers(3, 512, size=230).tolist())
+    n_chunks = -(-len(long_prompt) // TINY["prefill_chunk"])  # 15
+    with trio.fail_after(TIMEOUT):
+        async with Engine(llama, **TINY) as engine:
+            order = []  # ("tok", i) for the decoding streams, ("long", what) for the long one
+            decoders = [[] for _ in range(3)]
+            long_tokens = []
+
+            async def decoder(i, *, task_status=trio.TASK_STATUS_IGNORED):
+                async with engine.stream(f"stream number {i}", max_tokens=90) as events:
+                    async for event in events:
+                        decoders[i].append(event)
+                        if isinstance(event, TokenEvent):
+                            order.append(("tok", i))
+                            if len(decoders[i]) == 1:
+                                task_status.started()
+
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    await nursery.start(decoder, i)  # decoding before the long prompt comes
+                async with engine.stream(long_prompt, max_tokens=8) as events:
+                    order.append(("long", "accepted"))
+                    async for event in events:
+                        if isinstance(event, TokenEvent):
+                            if not long_tokens:
+                                order.append(("long", "first token"))
+                            long_tokens.append(event)
+
+        start, first = order.index(("long", "accepted")), order.index(("long", "first token"))
+        between = order[start:first]
+        # One prefill chunk, then one decode step, and so on: each running stream gets a
+        # token after every chunk but the last (the one that emits the long prompt's
+        # first token). One less for where in the loop the long request was taken in.
+        # Prefilled in one go, the streams would get no token at all in this window; and
+        # the long prompt is not starved either: one chunk per decode step.
+        for i in range(3):
+            assert n_chunks - 2 <= between.count(("tok", i)) <= n_chunks
+            assert decoders[i][-1].stats.finish_reason == "length"
+
+        async with Engine(llama, **TINY) as engine:
+            alone, _ = await run(engine, long_prompt, max_tokens=8)
+            assert ids(long_tokens) == ids(alone)
+            for i in range(3):
+                tokens, _ = await run(engine, f"stream number {i}", max_tokens=90)
+                assert ids(tokens) == [e.token_id for e in decoders[i][:-1]]
+
+
+# ---- 7. stop strings, length, top logprobs ---------------------------------------------
+
+
+async def test_stop_strings_and_length(default_model):
+    chat = [{"role": "user", "content": "Write one sentence about the moon."}]
+    with trio.fail_after(TIMEOUT):
+        async with Engine(default_model, **SMOL) as engine:
+            prompt = engine.render_chat(chat)
+            tokens, finish = await run(engine, prompt, max_tokens=24)
+            assert finish.stats.finish_reason == "length"
+            assert finish.stats.emitted_tokens == 24 == len(tokens)
+            full = text(tokens, finish)
+
+            # A stop string that spans two tokens, so it arrives in pieces.
+            pieces = [t.text for t in tokens]
+            k = next(k for k in range(3, len(pieces) - 1)
+                     if len(pieces[k]) >= 2 and len(pieces[k + 1]) >= 2)
+            stop = pieces[k][-2:] + pieces[k + 1][:2]
+            want = full[: full.find(stop)]
+            assert want
+            async with engine.stream(prompt, max_tokens=24, stop=[stop, "never-seen"]) as events:
+                streamed = ""
+                async for event in events:
+                    if isinstance(event, TokenEvent):
+                        streamed += event.text
+                        # Nothing released is taken back, so no part of the stop string
+                        # is ever released either.
+                        assert want.startswith(streamed)
+            got = streamed + events.finish.text_tail
+            assert got == want
+            assert stop not in got
+            assert not any(got.endswith(stop[:j]) for j in range(1, len(stop)))
+            assert events.finish.stats.finish_reason == "stop"
+
+            # A stop string that never shows up: the whole text, ended by the length.
+            tokens_n, finish_n = await run(engine, prompt, max_tokens=24, stop="never-seen")
+            assert text(tokens_n, finish_n) == full
+            assert finish_n.stats.finish_reason == "length"
+
+            short, finish_s = await run(engine, prompt, max_tokens=5)
+            assert finish_s.stats.finish_reason == "length"
+            assert finish_s.stats.emitted_tokens == 5 == len(short)
+            assert ids(short) == ids(tokens)[:5]
+
+
+async def test_top_logprobs(default_model):
+    chat = [{"role": "user", "content": "Name three colours."}]
+    with trio.fail_after(TIMEOUT):
+        async with Engine(default_model, **SMOL) as engine:
+            prompt = engine.render_chat(chat)
+            tokens, _ = await run(engine, prompt, max_tokens=8, top_logprobs=5)
+            plain, _ = await run(engine, prompt, max_tokens=8)
+    assert ids(tokens) == ids(plain)
+    assert all(t.top == () for t in plain)
+    for t in tokens:
+        assert len(t.top) == 5
+        lps = [c.logprob for c in t.top]
+        assert lps == sorted(lps, reverse=True)
+        assert all(lp <= 0 for lp in lps)
+        assert t.top[0].token_id == t.token_id  # greedy: the sampled token is the best
+        assert t.top[0].logprob == pytest.approx(t.logprob, abs=1e-5)
+        assert len({c.token_id for c in t.top}) == 5
+    assert sum(np.exp(c.logprob) for c in tokens[0].top) <= 1 + 1e-5
+
+
+# ---- 8. telemetry ----------------------------------------------------------------------
+
+
+async def test_telemetry_per_finished_turn(llama):
+    with trio.fail_after(TIMEOUT):
+        async with Engine(llama, **TINY) as engine:
+            channel = await engine.telemetry()
+            a = await engine.complete("first turn", max_tokens=6)
+            b = await engine.complete("second turn", max_tokens=6)
+            seen = [await channel.receive(), await channel.receive()]
+            with pytest.raises(trio.WouldBlock):
+                channel.receive_nowait()  # one per turn, no more
+    assert [t.request_id for t in seen] == [a.stats.request_id, b.stats.request_id]
+    for t in seen:
+        assert isinstance(t, Telemetry)
+        assert t.prefill_s > 0
+        assert t.decode_s > 0
+        assert t.sample_s > 0
+        assert t.expert_counts == ()  # a dense model routes nothing
+
+
+async def test_telemetry_counts_routed_experts(tiny_model):
+    moe = tiny_model("qwen3_moe")
+    cfg = moe.config
+    with trio.fail_after(TIMEOUT):
+        async with Engine(moe, **TINY) as engine:
+            channel = await engine.telemetry()
+            done = await engine.complete("count the experts", max_tokens=6)
+            t = await channel.receive()
+    # Every token run through the model routes to k experts in each MoE layer: the
+    # prompt (less what the slot reused) and each generated token fed back.
+    s = done.stats
+    fed = s.emitted_tokens if s.finish_reason == "stop" else s.emitted_tokens - 1
+    run_tokens = s.prompt_tokens - s.reused_tokens + fed
+    assert t.request_id == s.request_id
+    assert len(t.expert_counts) == sum(cfg.moe_layers) > 0
+    for layer in t.expert_counts:
+        assert len(layer) == cfg.n_experts
+        assert sum(layer) == cfg.n_experts_per_tok * run_tokens
+
+
+# ---- 9. token-id prompts and seeds -----------------------------------------------------
+
+
+async def test_token_id_prompt_equals_text_prompt(llama):
+    with trio.fail_after(TIMEOUT):
+        async with Engine(llama, **TINY) as engine:
+            prompt = "Token ids or text, the same"
+            by_text = await engine.complete(prompt, max_tokens=10, slot=0)
+            by_ids = await engine.complete(list(engine.encode(prompt)), max_tokens=10, slot=1)
+    assert by_ids.token_ids == by_text.token_ids
+    assert by_ids.text == by_text.text
+    assert by_ids.stats.prompt_tokens == by_text.stats.prompt_tokens
+
+
+async def test_seeds(llama):
+    prompt = "Sampling with a seed"
+    sampled = dict(max_tokens=24, temperature=0.8)
+    with trio.fail_after(TIMEOUT):
+        async with Engine(llama, **TINY) as engine:
+            a = await engine.complete(prompt, seed=1234, **sampled)
+            # The same seed again, on another slot, batched with another request.
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(engine.complete, "company", max_tokens=24))
+                b = await engine.complete(prompt, seed=1234, slot=(a.stats.slot + 1) % 4,
+                                          **sampled)
+            assert b.stats.slot != a.stats.slot
+            c = await engine.complete(prompt, seed=99, **sampled)
+            greedy = await engine.complete(prompt, max_tokens=24)
+    assert b.token_ids == a.token_ids
+    assert b.text == a.text
+    assert c.token_ids != a.token_ids  # two seeds agreeing on 24 draws: vanishingly unlikely
+    assert a.token_ids != greedy.token_ids
