@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import GOLDEN, TINY_ARCHS, TINY_GEO
+from motet.model import load_model
 from motet.model.forward import prefill
 from motet.model.generate import decode_step, generate, prefill_slot
 from motet.model.kv import bucket, init_kv
@@ -133,3 +134,15 @@ def test_all_layers_moe(tiny_model, arch):
 def test_llama_is_dense(tiny_model):
     cfg = tiny_model("llama").config
     assert not cfg.is_moe and cfg.n_experts == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_bfloat16_weights_stay_close_to_the_goldens(arch):
+    """bfloat16 weights (the GPU dtype) run the same code; logits keep ~3 significant digits."""
+    model = load_model(GOLDEN / arch, dtype="bfloat16")
+    golden = np.load(GOLDEN / arch / "golden.npz")
+    logits = model.logits(golden["prompt_ids"])
+    assert logits.dtype == np.float32
+    scale = np.abs(golden["logits"]).max()
+    assert np.abs(logits - golden["logits"]).max() < 0.05 * scale
+    assert np.mean(logits.argmax(-1) == golden["logits"].argmax(-1)) > 0.9
