@@ -110,7 +110,7 @@ def attend_rows(cfg, q, k, v, k_cache, v_cache, slots, positions, hist_len):
         o = jnp.einsum("kgl,kld->kgd", p_hist.astype(v.dtype), hist_v)
         return out.at[i].set(o + p_self.astype(v.dtype) * v[i][:, None, :])
 
-    out = jax.lax.fori_loop(0, b, row, jnp.zeros((b, nk, g, hd), v.dtype))
+    out = jax.lax.fori_loop(0, b, row, jnp.zeros((b, nk, g, hd), v.dtype), unroll=2)
     return out.reshape(b, -1)
 
 

@@ -34,19 +34,27 @@ def sample(logits, temperature, top_p, keys, *, n_top=0):
     top candidates' ids [b, n_top] and logprobs [b, n_top]). Logprobs are of the
     model's distribution before temperature and top-p, as OpenAI reports them.
     """
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
     greedy = jnp.argmax(logits, axis=-1)
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    scaled = jax.lax.cond(
-        jnp.any(top_p < 1.0), lambda s: _top_p_mask(s, top_p), lambda s: s, scaled
-    )
     split = jax.vmap(lambda k: jax.random.split(jax.random.wrap_key_data(k)))(keys)
     use, nxt = split[:, 0], split[:, 1]
-    drawn = jax.vmap(jax.random.categorical)(use, scaled)
+
+    def draw(_):
+        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        scaled = jax.lax.cond(
+            jnp.any(top_p < 1.0), lambda s: _top_p_mask(s, top_p), lambda s: s, scaled
+        )
+        return jax.vmap(jax.random.categorical)(use, scaled).astype(greedy.dtype)
+
+    # An all-greedy batch skips the random draw: Gumbel noise over the vocabulary costs
+    # as much as the rest of sampling together.
+    drawn = jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)
     tokens = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
-    token_logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = jax.lax.top_k(logprobs, n_top) if n_top else (
-        jnp.zeros((logits.shape[0], 0), logits.dtype),
-        jnp.zeros((logits.shape[0], 0), jnp.int32),
-    )
+    log_total = jax.nn.logsumexp(logits, axis=-1)
+    token_logprob = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_total
+    if n_top:
+        top_logits, top_ids = jax.lax.top_k(logits, n_top)
+        top_lp = top_logits - log_total[:, None]
+    else:
+        top_lp = jnp.zeros((logits.shape[0], 0), logits.dtype)
+        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
     return tokens, token_logprob, jax.random.key_data(nxt), top_ids, top_lp
