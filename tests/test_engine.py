@@ -586,3 +586,21 @@ async def test_seeds(llama):
     assert b.text == a.text
     assert c.token_ids != a.token_ids  # two seeds agreeing on 24 draws: vanishingly unlikely
     assert a.token_ids != greedy.token_ids
+
+
+async def test_a_reader_gone_before_acceptance_does_not_hurt_the_scheduler(llama):
+    """A caller cancelled while its Submit waits in the inbox has closed its stream; the
+    scheduler's answer to it must not take the engine down."""
+    from motet.actors.scheduler import GenerationRequest, Submit
+
+    with trio.fail_after(TIMEOUT):
+        async with Engine(llama, **TINY) as engine:
+            for slot in (None, 1):  # accepted into a slot, and refused as busy below
+                send, receive = trio.open_memory_channel(10)
+                receive.close()
+                request = GenerationRequest(prompt="gone", max_tokens=4, slot=slot)
+                await engine._scheduler.inbox.send.send(
+                    Submit(10 + (slot or 0), request, engine.encode("gone"), send)
+                )
+            answer = await engine.complete("still here", max_tokens=4)
+            assert answer.stats.emitted_tokens >= 1

@@ -125,6 +125,15 @@ class Active:
         return SamplingRow(r.temperature, r.top_p, self.key, r.top_logprobs > 0)
 
 
+def _tell(sub: Submit, event) -> bool:
+    """Put an event on a request's stream; False when its reader is gone (a cancel)."""
+    try:
+        sub.events.send_nowait(event)
+        return True
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        return False
+
+
 class Scheduler:
     def __init__(self, runner: ModelRunner, slots: list[KVSlot], queue_limit: int):
         self.runner = runner
@@ -157,10 +166,10 @@ class Scheduler:
                     self._notify_drained()
                     msg = await self.inbox.receive.receive()
                     await self._handle(msg)
-                await self._drain()
+                await self._take_queued()
                 if self.prefilling:
                     await self._prefill_chunk()
-                    await self._drain()
+                    await self._take_queued()
                 if self.decoding:
                     await self._decode_step()
         finally:
@@ -193,7 +202,7 @@ class Scheduler:
                 reply.send_nowait(None)
             self.drained.clear()
 
-    async def _drain(self):
+    async def _take_queued(self):
         while True:
             try:
                 msg = self.inbox.receive.receive_nowait()
@@ -245,21 +254,20 @@ class Scheduler:
         elif req.slot is not None and self._owner(req.slot) is not None:
             error = SlotBusy(req.slot)
         if error is not None:
-            sub.events.send_nowait(error)
+            _tell(sub, error)
             return
         if req.slot is None:
             slot = await self._pick_slot(sub.prompt)
             if slot is None:
                 if len(self.waiting) >= self.queue_limit:
-                    sub.events.send_nowait(QueueFull(self.queue_limit))
-                    return
-                self.waiting.append(sub)
-                sub.events.send_nowait(Accepted(sub.request_id))
+                    _tell(sub, QueueFull(self.queue_limit))
+                elif _tell(sub, Accepted(sub.request_id)):
+                    self.waiting.append(sub)
                 return
         else:
             slot = req.slot
-        sub.events.send_nowait(Accepted(sub.request_id))
-        await self._start(sub, slot)
+        if _tell(sub, Accepted(sub.request_id)):  # else the caller has already gone
+            await self._start(sub, slot)
 
     def _owner(self, slot: int) -> int | None:
         for a in self.active.values():
@@ -371,11 +379,7 @@ class Scheduler:
             act.next_token = token
 
     def _send(self, act: Active, event) -> bool:
-        try:
-            act.submit.events.send_nowait(event)
-            return True
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return False  # the reader is gone: treat it as a cancel
+        return _tell(act.submit, event)
 
     async def _cancel(self, rid: int) -> bool:
         for sub in list(self.waiting):
@@ -390,10 +394,7 @@ class Scheduler:
 
     def _send_final_cancel(self, sub: Submit, rid: int):
         stats = TurnStats(rid, -1, "cancelled", len(sub.prompt), 0, 0, 0.0, 0.0, 0.0)
-        try:
-            sub.events.send_nowait(FinishEvent(stats))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
+        _tell(sub, FinishEvent(stats))
 
     async def _finish(self, act: Active, reason: str, stop_matched: bool = False):
         rid = act.rid
