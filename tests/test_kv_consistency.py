@@ -109,7 +109,7 @@ def test_bucket_padding_does_not_change_results(tiny_model, arch):
         padded = np.zeros(size, np.int32)
         padded[:n] = prompt
         logits, new_k, new_v, _ = prefill(
-            model.weights, [], [], jnp.asarray(padded), 0, 0, n, cfg=model.config, hist_len=0
+            model.weights, [], [], jnp.asarray(padded), 0, 0, n, cfg=model.config, with_history=False
         )
         outs.append((np.asarray(logits), [np.asarray(x[..., :n]) for x in new_k],
                      [np.asarray(x[:, :n]) for x in new_v]))

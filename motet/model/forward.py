@@ -7,7 +7,7 @@ cache and return the new rows; separate donated functions write them. Reading an
 writing the same donated array in one step makes XLA copy the whole cache.
 
 Dimension letters: t tokens, b batch rows, h query heads, k KV heads, g query heads per
-KV head, d head dim, l cached positions.
+KV head, d head dim, l cached positions (one block), s positions in the chunk.
 """
 
 from __future__ import annotations
@@ -56,59 +56,80 @@ def qkv(cfg: ModelConfig, layer: dict, x: jax.Array, positions: jax.Array):
     return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
 
 
-def _softmax_parts(*scores):
-    """Softmax over the concatenation of score blocks, returned split the same way."""
-    m = jnp.max(scores[0], axis=-1, keepdims=True)
-    for s in scores[1:]:
-        m = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
-    exps = [jnp.exp(s - m) for s in scores]
-    total = sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)
-    return [e / total for e in exps]
+# Cached history is read in blocks of this many positions, as many as a row needs: the
+# loop's trip count is data, so one compiled step serves every context length.
+ATTN_BLOCK = 256
 
 
-def attend_chunk(cfg, q, k, v, hist_k, hist_v, offset):
-    """Causal attention of a chunk of t tokens at `offset` over the slot's cached history
-    (positions < offset of hist_k [k, d, l] and hist_v [k, l, d], or none) and over the
-    chunk itself."""
+def _history_block(k_cache, v_cache, slot, j):
+    """Block j of a slot's cache: K [k, d, ATTN_BLOCK], V [k, ATTN_BLOCK, d]."""
+    _, nk, hd, _ = k_cache.shape
+    start = j * ATTN_BLOCK
+    kb = jax.lax.dynamic_slice(k_cache, (slot, 0, 0, start), (1, nk, hd, ATTN_BLOCK))[0]
+    vb = jax.lax.dynamic_slice(v_cache, (slot, 0, start, 0), (1, nk, ATTN_BLOCK, hd))[0]
+    return start, kb, vb
+
+
+def _online_update(carry, s, vb, spec):
+    """Fold one block of scores s [..., l] and values into a running softmax
+    (max m, normaliser l, weighted sum acc), flash-attention style."""
+    m, l, acc = carry
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.exp(s - m_new[..., None])
+    corr = jnp.exp(m - m_new)
+    acc = acc * corr[..., None] + jnp.einsum(spec, p.astype(vb.dtype), vb, preferred_element_type=F32)
+    return m_new, l * corr + p.sum(-1), acc
+
+
+def attend_chunk(cfg, q, k, v, k_cache, v_cache, slot, offset):
+    """Causal attention of a chunk of t tokens at `offset`: over the slot's cached
+    positions < offset (none when k_cache is None) and over the chunk itself."""
     t = q.shape[0]
-    scale = cfg.head_dim**-0.5
-    q = q.reshape(t, cfg.n_kv_heads, cfg.group_size, cfg.head_dim).transpose(1, 2, 0, 3)
+    nk, g, hd = cfg.n_kv_heads, cfg.group_size, cfg.head_dim
+    q = q.reshape(t, nk, g, hd).transpose(1, 2, 0, 3) * hd**-0.5  # [k, g, t, d]
     k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [k, t, d]
-    s_self = jnp.einsum("kgtd,ksd->kgts", q, k, preferred_element_type=F32) * scale
+    s_self = jnp.einsum("kgtd,ksd->kgts", q, k, preferred_element_type=F32)
     s_self = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s_self, -jnp.inf)
-    if hist_k is None:
-        (p_self,) = _softmax_parts(s_self)
-        out = jnp.einsum("kgts,ksd->kgtd", p_self.astype(v.dtype), v)
-    else:
-        s_hist = jnp.einsum("kgtd,kdl->kgtl", q, hist_k, preferred_element_type=F32) * scale
-        s_hist = jnp.where(jnp.arange(hist_k.shape[2]) < offset, s_hist, -jnp.inf)
-        p_hist, p_self = _softmax_parts(s_hist, s_self)
-        out = jnp.einsum("kgtl,kld->kgtd", p_hist.astype(v.dtype), hist_v) + jnp.einsum(
-            "kgts,ksd->kgtd", p_self.astype(v.dtype), v
-        )
+    m = s_self.max(-1)
+    p = jnp.exp(s_self - m[..., None])
+    carry = (m, p.sum(-1), jnp.einsum("kgts,ksd->kgtd", p.astype(v.dtype), v, preferred_element_type=F32))
+    if k_cache is not None:
+
+        def block(j, carry):
+            start, kb, vb = _history_block(k_cache, v_cache, slot, j)
+            s = jnp.einsum("kgtd,kdl->kgtl", q, kb, preferred_element_type=F32)
+            s = jnp.where(start + jnp.arange(ATTN_BLOCK) < offset, s, -jnp.inf)
+            return _online_update(carry, s, vb, "kgtl,kld->kgtd")
+
+        carry = jax.lax.fori_loop(0, (offset + ATTN_BLOCK - 1) // ATTN_BLOCK, block, carry)
+    _, l, acc = carry
+    out = (acc / l[..., None]).astype(v.dtype)
     return out.transpose(2, 0, 1, 3).reshape(t, -1)
 
 
-def attend_rows(cfg, q, k, v, k_cache, v_cache, slots, positions, hist_len):
-    """One new token per row b, at positions[b] of slot slots[b], over that slot's first
-    hist_len cached positions (K [slots, k, d, l], V [slots, k, l, d]).
+def attend_rows(cfg, q, k, v, k_cache, v_cache, slots, positions):
+    """One new token per row b, at positions[b] of slot slots[b], over that slot's cached
+    positions < positions[b] (K [slots, k, d, l], V [slots, k, l, d]).
 
-    A loop over rows, each slicing its own slot: a gather of all rows' histories at once
-    ran 4x slower on XLA:CPU, which copies gathered operands before the matmul.
+    A loop over rows, each slicing its own slot block by block: a gather of all rows'
+    histories at once ran 4x slower on XLA:CPU, which copies gathered operands first.
     """
     b = q.shape[0]
     nk, g, hd = cfg.n_kv_heads, cfg.group_size, cfg.head_dim
     q = q.reshape(b, nk, g, hd) * hd**-0.5
-    s_self = jnp.einsum("bkgd,bkd->bkg", q, k, preferred_element_type=F32)[..., None]
+    s_self = jnp.einsum("bkgd,bkd->bkg", q, k, preferred_element_type=F32)
 
     def row(i, out):
-        hist_k = jax.lax.dynamic_slice(k_cache, (slots[i], 0, 0, 0), (1, nk, hd, hist_len))[0]
-        hist_v = jax.lax.dynamic_slice(v_cache, (slots[i], 0, 0, 0), (1, nk, hist_len, hd))[0]
-        s_hist = jnp.einsum("kgd,kdl->kgl", q[i], hist_k, preferred_element_type=F32)
-        s_hist = jnp.where(jnp.arange(hist_len) < positions[i], s_hist, -jnp.inf)
-        p_hist, p_self = _softmax_parts(s_hist, s_self[i])
-        o = jnp.einsum("kgl,kld->kgd", p_hist.astype(v.dtype), hist_v)
-        return out.at[i].set(o + p_self.astype(v.dtype) * v[i][:, None, :])
+        def block(j, carry):
+            start, kb, vb = _history_block(k_cache, v_cache, slots[i], j)
+            s = jnp.einsum("kgd,kdl->kgl", q[i], kb, preferred_element_type=F32)
+            s = jnp.where(start + jnp.arange(ATTN_BLOCK) < positions[i], s, -jnp.inf)
+            return _online_update(carry, s, vb, "kgl,kld->kgd")
+
+        own = (s_self[i], jnp.ones((nk, g), F32), jnp.broadcast_to(v[i][:, None, :], (nk, g, hd)).astype(F32))
+        n_blocks = (positions[i] + ATTN_BLOCK - 1) // ATTN_BLOCK
+        _, l, acc = jax.lax.fori_loop(0, n_blocks, block, own)
+        return out.at[i].set((acc / l[..., None]).astype(v.dtype))
 
     out = jax.lax.fori_loop(0, b, row, jnp.zeros((b, nk, g, hd), v.dtype), unroll=2)
     return out.reshape(b, -1)
@@ -148,14 +169,14 @@ def _layers(cfg, weights, x, positions, attend, moe_impl):
     return x, new_k, new_v, routing
 
 
-@partial(jax.jit, static_argnames=("cfg", "hist_len", "all_logits", "moe_impl"))
+@partial(jax.jit, static_argnames=("cfg", "with_history", "all_logits", "moe_impl"))
 def prefill(
-    weights, k_cache, v_cache, tokens, slot, offset, n_valid, *, cfg, hist_len,
+    weights, k_cache, v_cache, tokens, slot, offset, n_valid, *, cfg, with_history=True,
     all_logits=False, moe_impl="auto",
 ):
     """Prefill a chunk of tokens [t] (the first n_valid real, the rest padding) into `slot`
     at position `offset`, attending to the slot's first `offset` cached positions
-    (hist_len ≥ offset, static; 0 for a fresh slot).
+    (with_history=False: a fresh sequence, and the caches may be empty lists).
 
     Returns (logits [t, vocab] if all_logits else [vocab] of the last real token,
     new K per layer [k, d, t], new V per layer [k, t, d], expert ids per MoE layer [t, k]).
@@ -164,12 +185,9 @@ def prefill(
     x = embed(weights, tokens)
 
     def attend(i, q, k, v):
-        if hist_len == 0:
-            return attend_chunk(cfg, q, k, v, None, None, offset)
-        nk, hd = cfg.n_kv_heads, cfg.head_dim
-        hist_k = jax.lax.dynamic_slice(k_cache[i], (slot, 0, 0, 0), (1, nk, hd, hist_len))[0]
-        hist_v = jax.lax.dynamic_slice(v_cache[i], (slot, 0, 0, 0), (1, nk, hist_len, hd))[0]
-        return attend_chunk(cfg, q, k, v, hist_k, hist_v, offset)
+        if not with_history:
+            return attend_chunk(cfg, q, k, v, None, None, slot, offset)
+        return attend_chunk(cfg, q, k, v, k_cache[i], v_cache[i], slot, offset)
 
     x, new_k, new_v, routing = _layers(cfg, weights, x, positions, attend, moe_impl)
     if not all_logits:
@@ -180,10 +198,10 @@ def prefill(
     return (logits if all_logits else logits[0]), new_k, new_v, routing
 
 
-@partial(jax.jit, static_argnames=("cfg", "hist_len", "moe_impl"))
-def decode(weights, k_cache, v_cache, tokens, slots, positions, *, cfg, hist_len, moe_impl="auto"):
+@partial(jax.jit, static_argnames=("cfg", "moe_impl"))
+def decode(weights, k_cache, v_cache, tokens, slots, positions, *, cfg, moe_impl="auto"):
     """One decode step for rows b: token tokens[b] at positions[b] in slot slots[b],
-    attending to that slot's cached positions < positions[b] (hist_len > every position).
+    attending to that slot's cached positions < positions[b].
 
     Returns (logits [b, vocab], new K rows per layer [b, k, d], new V rows per layer,
     expert ids per MoE layer [b, k]).
@@ -191,7 +209,7 @@ def decode(weights, k_cache, v_cache, tokens, slots, positions, *, cfg, hist_len
     x = embed(weights, tokens)
 
     def attend(i, q, k, v):
-        return attend_rows(cfg, q, k, v, k_cache[i], v_cache[i], slots, positions, hist_len)
+        return attend_rows(cfg, q, k, v, k_cache[i], v_cache[i], slots, positions)
 
     x, new_k, new_v, routing = _layers(cfg, weights, x, positions, attend, moe_impl)
     return lm_head(cfg, weights, x), new_k, new_v, routing

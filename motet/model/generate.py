@@ -38,10 +38,9 @@ def prefill_slot(model: Model, kv, geo: KVGeometry, slot: int, ids: Sequence[int
         padded = np.zeros(bucket(len(chunk), cap=geo.chunk), np.int32)
         padded[: len(chunk)] = chunk
         pos = offset + start
-        hist_len = bucket(pos, cap=geo.length) if pos else 0
         logits, new_k, new_v, chosen = prefill(
             model.weights, k, v, jnp.asarray(padded), slot, pos, len(chunk),
-            cfg=model.config, hist_len=hist_len, moe_impl=moe_impl,
+            cfg=model.config, with_history=pos > 0, moe_impl=moe_impl,
         )
         k, v = write_chunk(k, v, new_k, new_v, slot, pos)
         if with_routing:
@@ -65,11 +64,10 @@ def decode_step(model: Model, kv, geo: KVGeometry, tokens: Sequence[int], slots:
     slot = np.full(b, geo.scratch_slot, np.int32)
     pos = np.zeros(b, np.int32)
     tok[:n], slot[:n], pos[:n] = tokens, slots, positions
-    hist_len = bucket(int(pos.max()), cap=geo.length)
     k, v = kv
     logits, new_k, new_v, chosen = decode(
         model.weights, k, v, jnp.asarray(tok), jnp.asarray(slot), jnp.asarray(pos),
-        cfg=model.config, hist_len=hist_len, moe_impl=moe_impl,
+        cfg=model.config, moe_impl=moe_impl,
     )
     k, v = write_rows(k, v, new_k, new_v, jnp.asarray(slot), jnp.asarray(pos))
     if with_routing:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 
 from .config import ModelConfig
+from .forward import ATTN_BLOCK
 
 MIN_BUCKET = 16
 
@@ -34,11 +35,13 @@ def batch_bucket(n: int) -> int:
 class KVGeometry:
     n_slots: int  # conversations; one more scratch slot takes padded decode rows
     max_context: int  # positions a conversation may use
-    chunk: int  # longest prefill chunk: padded chunk writes may run this far past the end
+    chunk: int  # longest prefill chunk
 
     @property
     def length(self) -> int:
-        return self.max_context + self.chunk
+        # Room past the last position for a padded chunk's write and for the last
+        # attention block's read (forward.ATTN_BLOCK), so neither is clamped.
+        return self.max_context + max(self.chunk, ATTN_BLOCK)
 
     @property
     def scratch_slot(self) -> int:

@@ -50,7 +50,7 @@ class Model:
         padded[:n] = ids
         logits, _, _, _ = prefill(
             self.weights, [], [], jnp.asarray(padded), 0, 0, n,
-            cfg=self.config, hist_len=0, all_logits=True,
+            cfg=self.config, with_history=False, all_logits=True,
         )
         return np.asarray(logits[:n])
 
