@@ -1,7 +1,9 @@
 """The KV cache's geometry and its shape buckets.
 
-Shapes are bucketed so a new prompt length or context length reuses a compiled
-function: powers of two up to 1024, then multiples of 1024.
+Prompt chunks and decode batches are padded to a few sizes so a new prompt length or a
+new number of streams reuses a compiled function: chunks to powers of two up to 1024
+(then multiples of 1024), batches to 1, 2, 4, 8, 16. Context length is no shape at all
+(attention walks the cache block by block).
 """
 
 from __future__ import annotations
