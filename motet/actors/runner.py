@@ -4,7 +4,7 @@ run in the scheduler's one worker thread; nothing else touches device state."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax.numpy as jnp
 import numpy as np
@@ -36,22 +36,13 @@ class Sampled:
     experts: np.ndarray  # the experts that computed the token fed in: [MoE layers, k...]
 
 
-@dataclass
-class StepTimes:
-    """Seconds spent per phase, accumulated by the runner."""
-
-    prefill: float = 0.0
-    decode: float = 0.0
-    sample: float = 0.0
-    counts: dict = field(default_factory=lambda: {"prefill": 0, "decode": 0})
-
-
 class ModelRunner:
     def __init__(self, model: Model, geo: KVGeometry):
         self.model = model
         self.geo = geo
         self.kv = init_kv(model.config, geo, model.weights["lm_head"].dtype)
-        self.times = StepTimes()
+        # Seconds spent sampling so far: the scheduler splits a step's time with it.
+        self.sample_seconds = 0.0
 
     @staticmethod
     def new_key(seed: int) -> np.ndarray:
@@ -67,24 +58,18 @@ class ModelRunner:
 
     def extend(self, slot: int, ids: list[int], offset: int):
         """Run a chunk into the cache: (logits after its last token, routing [layers, t, k])."""
-        t = time.perf_counter()
         logits, self.kv, experts = prefill_slot(
             self.model, self.kv, self.geo, slot, ids, offset, with_routing=True
         )
-        self.times.prefill += time.perf_counter() - t
-        self.times.counts["prefill"] += 1
         return logits, experts
 
     def decode(self, tokens: list[int], slots: list[int], positions: list[int],
                rows: list[SamplingRow]) -> list[Sampled]:
         """One batched step: each row feeds its token at its position in its slot, then
         samples its next token."""
-        t = time.perf_counter()
         logits, self.kv, experts = decode_step(
             self.model, self.kv, self.geo, tokens, slots, positions, with_routing=True
         )
-        self.times.decode += time.perf_counter() - t
-        self.times.counts["decode"] += 1
         return self._sample(logits, rows, experts.transpose(1, 0, 2))
 
     def _sample(self, logits, rows: list[SamplingRow], experts: np.ndarray) -> list[Sampled]:
@@ -101,7 +86,7 @@ class ModelRunner:
         tokens, logprobs, keys, top_ids, top_lp = (
             np.asarray(a) for a in (tokens, logprobs, keys, top_ids, top_lp)
         )
-        self.times.sample += time.perf_counter() - t
+        self.sample_seconds += time.perf_counter() - t
         return [
             Sampled(
                 token=int(tokens[i]),

@@ -306,7 +306,7 @@ class Scheduler:
         prompt = act.submit.prompt
         chunk = list(prompt[act.cursor : act.cursor + self.chunk])
         last = act.cursor + len(chunk) == len(prompt)
-        started, sampling = time.perf_counter(), self.runner.times.sample
+        started, sampling = time.perf_counter(), self.runner.sample_seconds
         if last:
             sampled = await trio.to_thread.run_sync(
                 self.runner.prefill, act.slot, chunk, act.cursor, act.sampling_row(),
@@ -317,8 +317,8 @@ class Scheduler:
                 self.runner.extend, act.slot, chunk, act.cursor, limiter=self.limiter
             )
             act.count_experts(experts)
-        act.sample_s += self.runner.times.sample - sampling
-        act.prefill_s += time.perf_counter() - started - (self.runner.times.sample - sampling)
+        act.sample_s += self.runner.sample_seconds - sampling
+        act.prefill_s += time.perf_counter() - started - (self.runner.sample_seconds - sampling)
         act.cursor += len(chunk)
         await self.slots[act.slot].inbox.send.send(Extend(tuple(chunk)))
         if not last or act.rid not in self.active:
@@ -330,7 +330,7 @@ class Scheduler:
 
     async def _decode_step(self):
         acts = [self.active[rid] for rid in self.decoding]
-        started, sampling = time.perf_counter(), self.runner.times.sample
+        started, sampling = time.perf_counter(), self.runner.sample_seconds
         results = await trio.to_thread.run_sync(
             self.runner.decode,
             [a.next_token for a in acts],
@@ -339,7 +339,7 @@ class Scheduler:
             [a.sampling_row() for a in acts],
             limiter=self.limiter,
         )
-        sample_s = self.runner.times.sample - sampling
+        sample_s = self.runner.sample_seconds - sampling
         decode_s = time.perf_counter() - started - sample_s
         for act, sampled in zip(acts, results):
             act.decode_s += decode_s
