@@ -117,8 +117,12 @@ class Engine:
             await self.start(nursery)
         except BaseException as exc:
             nursery.cancel_scope.cancel()
-            await self._nursery_cm.__aexit__(type(exc), exc, exc.__traceback__)
-            raise
+            try:
+                await self._nursery_cm.__aexit__(type(exc), exc, exc.__traceback__)
+            except BaseExceptionGroup as group:
+                if group.exceptions != (exc,):
+                    raise
+            raise  # a model that cannot load surfaces as its own error, not a group
         return self
 
     async def __aexit__(self, exc_type, exc, tb):

@@ -604,3 +604,13 @@ async def test_a_reader_gone_before_acceptance_does_not_hurt_the_scheduler(llama
                 )
             answer = await engine.complete("still here", max_tokens=4)
             assert answer.stats.emitted_tokens >= 1
+
+
+async def test_a_model_that_cannot_load_raises_its_own_error(tmp_path):
+    from motet.model import ModelFileError
+
+    missing = tmp_path / "missing.gguf"
+    with trio.fail_after(TIMEOUT):
+        with pytest.raises(ModelFileError, match="missing.gguf"):
+            async with Engine(missing):
+                pass
