@@ -6,11 +6,12 @@ import importlib.util
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import jax.numpy as jnp
 
-from .config import ModelConfig, config_from_gguf, config_from_hf
+from .config import config_from_gguf, config_from_hf
 from .errors import ModelFileError, UnsupportedModelError
 from .gguf_file import GGUF_MAGIC, GGUFSource, gguf_metadata, open_gguf
 from .model import Model
@@ -53,16 +54,10 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", max_conte
     if max_context is not None:
         if max_context < 1:
             raise ValueError(f"max_context must be positive, got {max_context}")
-        cfg = _with_context(cfg, max_context)
+        cfg = replace(cfg, max_context=max_context)
     weights = pack_weights(cfg, source, DTYPES[dtype])
     log.info("loaded %s (%s, %s) in %.1f s", path, cfg.arch, dtype, time.monotonic() - started)
     return Model(config=cfg, weights=weights, tokenizer=tokenizer, path=path, dtype=dtype)
-
-
-def _with_context(cfg: ModelConfig, max_context: int) -> ModelConfig:
-    from dataclasses import replace
-
-    return replace(cfg, max_context=max_context)
 
 
 def _open_file(path: Path):
