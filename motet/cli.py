@@ -45,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_flags(chat)
     info = sub.add_parser("info", help="describe the model")
     _add_model_flags(info)
+    muxp = sub.add_parser("mux", help="serve the mux protocol on stdin/stdout (SNAP, KV_SLOTS, CTX, "
+                          "SERVE_TOPK from the environment; flags win)")
+    muxp.add_argument("expert_cache", nargs="?", type=int, default=None,
+                      help="accepted for compatibility (servers pass an expert-cache size)")
+    muxp.add_argument("--kv-slots", type=int, default=None)
+    muxp.add_argument("--topk", action="store_true", default=None, help="a TOPK line per token")
+    _add_model_flags(muxp)
     return parser
 
 
@@ -121,7 +128,53 @@ def cmd_chat(args) -> int:
         messages.append({"role": "assistant", "content": _answer(model, messages, sampling)})
 
 
-COMMANDS = {"chat": cmd_chat, "info": cmd_info}
+def _snap_path(snap: str) -> Path:
+    """SNAP: a .gguf file, a directory holding one, or a Hugging Face model directory."""
+    path = Path(snap)
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs:
+            return ggufs[0]
+    return path
+
+
+def cmd_mux(args) -> int:
+    import trio
+
+    from .actors.stdio_bridge import BridgeSettings, StdioBridge
+    from .engine import Engine
+
+    env = os.environ
+    if env.get("SERVE") == "1" and env.get("SERVE_BATCH") != "1":
+        print("motet: error: the legacy protocol (SERVE=1 without SERVE_BATCH=1) is not "
+              "supported yet; set SERVE_BATCH=1", file=sys.stderr)
+        return 2
+    model = args.model or (_snap_path(env["SNAP"]) if env.get("SNAP") else None)
+    kv_slots = args.kv_slots or int(env.get("KV_SLOTS", "1"))
+    ctx = args.max_context or int(env.get("CTX", "4096"))
+    topk = args.topk if args.topk is not None else env.get("SERVE_TOPK") == "1"
+    settings = model_settings(args)
+    if settings.compile_cache is not None:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", str(settings.compile_cache))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    # stdout carries the protocol only: keep a private handle to it, and point fd 1 (and
+    # anything a library prints there) at stderr.
+    protocol_fd = os.dup(1)
+    os.dup2(2, 1)
+
+    async def serve():
+        async with Engine(model, kv_slots=kv_slots, max_context=ctx, dtype=args.dtype) as engine:
+            stdin = trio.lowlevel.FdStream(os.dup(0))
+            stdout = trio.lowlevel.FdStream(protocol_fd)
+            await StdioBridge(engine, BridgeSettings(kv_slots, topk), stdin, stdout).run()
+
+    trio.run(serve)
+    return 0
+
+
+COMMANDS = {"chat": cmd_chat, "info": cmd_info, "mux": cmd_mux}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -420,11 +420,12 @@ class Scheduler:
             decode_tokens_per_s=(act.emitted - 1) / decode_s if act.emitted > 1 and decode_s > 0 else 0.0,
             total_s=now - act.started,
         )
-        self._send(act, FinishEvent(stats, tail))
+        telemetry = self._telemetry(act)
+        self._send(act, FinishEvent(stats, tail, telemetry))
         act.submit.events.close()
         self.clock += 1
         await self.slots[act.slot].inbox.send.send(Release(rid, self.clock))
-        self._publish(act)
+        self._publish(telemetry)
         await self._admit_waiting()
 
     async def _admit_waiting(self):
@@ -434,9 +435,11 @@ class Scheduler:
                 return
             await self._start(self.waiting.popleft(), slot)
 
-    def _publish(self, act: Active):
+    def _telemetry(self, act: Active) -> Telemetry:
         counts = tuple(tuple(int(c) for c in layer) for layer in act.expert_counts)
-        event = Telemetry(act.rid, act.prefill_s, act.decode_s, act.sample_s, counts)
+        return Telemetry(act.rid, act.prefill_s, act.decode_s, act.sample_s, counts)
+
+    def _publish(self, event: Telemetry):
         for ch in list(self.telemetry_subscribers):
             try:
                 ch.send_nowait(event)

@@ -69,20 +69,6 @@ class TurnStats:
 
 
 @dataclass(frozen=True)
-class FinishEvent:
-    stats: TurnStats
-    text_tail: str = ""  # text held back until the end (stop-string prefixes, partial UTF-8)
-
-
-@dataclass(frozen=True)
-class Completion:
-    text: str
-    token_ids: tuple[int, ...]
-    stats: TurnStats
-    tokens: tuple[TokenEvent, ...] = field(default=(), repr=False)
-
-
-@dataclass(frozen=True)
 class Telemetry:
     """Per-turn figures, published for the fronts (PERF, ENTROPY, HITS lines, /metrics)."""
 
@@ -91,3 +77,18 @@ class Telemetry:
     decode_s: float
     sample_s: float
     expert_counts: tuple[tuple[int, ...], ...] = ()  # per MoE layer, per expert: routed tokens
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    stats: TurnStats
+    text_tail: str = ""  # text held back until the end (stop-string prefixes, partial UTF-8)
+    telemetry: Telemetry | None = None  # the turn's timings and routing
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: tuple[int, ...]
+    stats: TurnStats
+    tokens: tuple[TokenEvent, ...] = field(default=(), repr=False)

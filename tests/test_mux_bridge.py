@@ -1,0 +1,119 @@
+"""`motet mux` as other servers drive it: the real subprocess, raw bytes on its stdin,
+every stdout byte parsed as protocol (first part of issue 4's conformance suite)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import GOLDEN, REPO
+from motet.protocol import mux
+
+PROMPT = b"<|im_start|>user\nTell me about the sea.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def submit(rid: int, slot: int, max_tokens: int = 8, prompt: bytes = PROMPT, extra: str = "") -> bytes:
+    return f"SUBMIT {rid} {slot} {len(prompt)} {max_tokens} 0 1{extra}\n".encode() + prompt + b"\n"
+
+
+def run_mux(stdin: bytes, *, env: dict | None = None, args=()) -> tuple[int, list, bytes]:
+    environ = {**os.environ, "SNAP": str(GOLDEN / "llama"), "SERVE": "1", "SERVE_BATCH": "1",
+               "KV_SLOTS": "2", "CTX": "256", **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-m", "motet", "mux", "--compile-cache", str(REPO / ".jax_cache" / "tests"), *args],
+        input=stdin, capture_output=True, env=environ, timeout=300, cwd=REPO,
+    )
+    events = mux.ResponseDecoder().feed(proc.stdout)
+    return proc.returncode, events, proc.stderr
+
+
+def frames(events, kind, rid=None):
+    return [e for e in events if isinstance(e, kind) and (rid is None or e.request_id == rid)]
+
+
+def text_of(events, rid) -> bytes:
+    return b"".join(e.data for e in frames(events, mux.Data, rid))
+
+
+def test_handshake_generation_and_eof():
+    code, events, _ = run_mux(submit(1, 0))
+    assert code == 0
+    assert isinstance(events[0], mux.Ready)
+    assert [e.kind for e in events[1:5]] == ["STAT", "HWINFO", "TIERS", "EMAP"]
+    assert "|" in events[2].fields[-1]  # <cpu>|<gpu>, the bar present with no GPU
+    assert not frames(events, mux.BadLine)  # stdout held protocol and nothing else
+    (done,) = frames(events, mux.Done, 1)
+    assert done.emitted == 8 and done.length_limited and done.prompt_tokens > 0
+    kinds = [e.kind for e in events[events.index(done) - 7 : events.index(done)]]
+    assert kinds == ["HWINFO", "PERF", "ENTROPY", "GPUS", "TIERS", "EMAP", "HITS"]
+    assert text_of(events, 1)
+
+
+def test_greedy_output_is_identical_across_processes():
+    first = run_mux(submit(1, 0))[1]
+    second = run_mux(submit(1, 0))[1]
+    assert text_of(first, 1) == text_of(second, 1)
+
+
+def test_slot_busy_duplicate_and_not_found():
+    wire = submit(1, 0, 40) + submit(2, 0) + submit(1, 1) + b"CANCEL 99\nSTOP 98\n"
+    code, events, _ = run_mux(wire)
+    assert code == 0
+    errors = {(e.request_id, e.code) for e in frames(events, mux.Error)}
+    assert errors == {(2, "SLOT_BUSY"), (1, "DUPLICATE_ID"), (99, "NOT_FOUND"), (98, "NOT_FOUND")}
+    (done,) = frames(events, mux.Done, 1)  # the first request still completes
+    assert done.emitted == 40
+
+
+def test_cancel_during_decode():
+    code, events, _ = run_mux(submit(3, 0, 200) + b"CANCEL 3\n")
+    assert code == 0
+    assert frames(events, mux.Error, 3) == [mux.Error(3, "CANCELLED")]
+    assert not frames(events, mux.Done, 3)
+
+
+def test_stop_ends_through_done():
+    code, events, _ = run_mux(submit(4, 0, 200) + b"STOP 4\n")
+    (done,) = frames(events, mux.Done, 4)
+    assert done.emitted < 200 and not done.length_limited
+
+
+def test_context_exceeded_then_a_small_request_works():
+    long_prompt = b"the sea " * 300
+    code, events, _ = run_mux(submit(5, 0, 8, long_prompt) + submit(6, 0), env={"CTX": "128"})
+    (error,) = frames(events, mux.Error, 5)
+    assert error.code == "CONTEXT_EXCEEDED" and error.args[1] == "128" and int(error.args[0]) > 128
+    assert frames(events, mux.Done, 6)
+
+
+def test_bad_requests_keep_the_stream():
+    wire = b"SUBMIT x\n" + submit(7, 9) + submit(8, 0, 8, b"a\x00b") + submit(9, 0, 8, PROMPT, " 3")[:-1] + b"xyz\n" + submit(10, 1)
+    code, events, _ = run_mux(wire)
+    codes = {(e.request_id, e.code) for e in frames(events, mux.Error)}
+    assert codes == {(0, "BAD_REQUEST"), (7, "BAD_REQUEST"), (8, "BAD_REQUEST"), (9, "BAD_REQUEST")}
+    assert frames(events, mux.Done, 10)
+
+
+def test_bad_frame_is_answered_then_the_engine_exits_0():
+    wire = submit(11, 0, 8) + b"SUBMIT 12 1 3 8 0 1\nabcX" + submit(13, 1)
+    code, events, _ = run_mux(wire)
+    assert code == 0
+    assert frames(events, mux.Error, 12) == [mux.Error(12, "BAD_FRAME")]
+    assert frames(events, mux.Done, 11)  # in flight before the bad frame: finishes
+    assert not frames(events, mux.Done, 13)  # after it: never read
+
+
+def test_serve_topk():
+    code, events, _ = run_mux(submit(14, 0, 4), env={"SERVE_TOPK": "1"})
+    topks = frames(events, mux.TopK, 14)
+    assert len(topks) >= 3 and all(len(t.candidates) == 5 for t in topks)
+    assert all(t.candidates[0][0] >= t.candidates[-1][0] for t in topks)
+
+
+def test_the_legacy_protocol_is_refused_clearly():
+    code, events, stderr = run_mux(b"", env={"SERVE_BATCH": ""})
+    assert code == 2 and not events
+    assert b"legacy protocol" in stderr
