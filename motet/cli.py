@@ -163,9 +163,23 @@ def cmd_mux(args) -> int:
     # anything a library prints there) at stderr.
     protocol_fd = os.dup(1)
     os.dup2(2, 1)
+    from .model import ModelError, ModelFileError, UnsupportedModelError, load_model
+
+    try:
+        loaded = load_model(model, dtype=args.dtype)
+    except (ModelError, OSError, MemoryError) as exc:
+        # An extension servers may read instead of READY; the reason also goes to stderr.
+        kind = ("nomem" if isinstance(exc, MemoryError)
+                else "unsupported" if isinstance(exc, UnsupportedModelError)
+                else "format" if isinstance(exc, ModelFileError) and Path(str(model or "")).exists()
+                else "io")
+        detail = " ".join(str(exc).split())
+        os.write(protocol_fd, f"LOAD_FAIL kind={kind} {detail}\n".encode())
+        print(f"motet: error: {exc}", file=sys.stderr)
+        return 2
 
     async def serve():
-        async with Engine(model, kv_slots=kv_slots, max_context=ctx, dtype=args.dtype) as engine:
+        async with Engine(loaded, kv_slots=kv_slots, max_context=ctx) as engine:
             stdin = trio.lowlevel.FdStream(os.dup(0))
             stdout = trio.lowlevel.FdStream(protocol_fd)
             await StdioBridge(engine, BridgeSettings(kv_slots, topk), stdin, stdout).run()

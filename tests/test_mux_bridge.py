@@ -117,3 +117,17 @@ def test_the_legacy_protocol_is_refused_clearly():
     code, events, stderr = run_mux(b"", env={"SERVE_BATCH": ""})
     assert code == 2 and not events
     assert b"legacy protocol" in stderr
+
+
+@pytest.mark.parametrize(("snap", "kind"), [("missing.gguf", "io"), ("not-a-model.bin", "format")])
+def test_a_model_that_cannot_load_is_one_load_fail_line_and_a_nonzero_exit(tmp_path, snap, kind):
+    path = tmp_path / snap
+    if snap.endswith(".bin"):
+        path.write_bytes(b"definitely not a model")
+    environ = {**os.environ, "SNAP": str(path), "SERVE": "1", "SERVE_BATCH": "1"}
+    proc = subprocess.run([sys.executable, "-m", "motet", "mux"], input=b"", capture_output=True,
+                          env=environ, timeout=120, cwd=REPO)
+    assert proc.returncode == 2
+    assert proc.stdout.startswith(f"LOAD_FAIL kind={kind} ".encode())
+    assert proc.stdout.count(b"\n") == 1 and snap.encode() in proc.stdout  # one line, no READY
+    assert b"motet: error:" in proc.stderr and snap.encode() in proc.stderr
