@@ -182,7 +182,7 @@ def cmd_mux(args) -> int:
         async with Engine(loaded, kv_slots=kv_slots, max_context=ctx) as engine:
             stdin = trio.lowlevel.FdStream(os.dup(0))
             stdout = trio.lowlevel.FdStream(protocol_fd)
-            await StdioBridge(engine, BridgeSettings(kv_slots, topk), stdin, stdout).run()
+            await StdioBridge(engine, BridgeSettings(topk=topk), stdin, stdout).run()
 
     trio.run(serve)
     return 0

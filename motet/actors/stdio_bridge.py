@@ -22,7 +22,6 @@ READ_SIZE = 65536
 
 @dataclass(frozen=True)
 class BridgeSettings:
-    kv_slots: int = 1
     topk: bool = False  # SERVE_TOPK=1: a TOPK line per token
 
 
@@ -87,7 +86,7 @@ class StdioBridge:
         cfg = engine.model.config
         rows, cols = (sum(cfg.moe_layers), cfg.n_experts) if cfg.is_moe else (cfg.n_layers, 1)
         self.experts = ExpertMap(rows, cols)
-        self.weights_gb = engine.model.info()["parameters"] * 4 / 1e9
+        self.weights_gb = engine.model.info()["weight_bytes"] / 1e9
 
     async def run(self) -> None:
         """Until stdin ends (or a bad frame): then in-flight requests finish first."""

@@ -14,7 +14,7 @@ from .errors import ContextLengthError
 from .forward import prefill
 from .kv import bucket
 from .tokenizer import Tokenizer
-from .weights import count_parameters
+from .weights import count_parameters, weight_bytes
 
 
 @dataclass
@@ -70,5 +70,6 @@ class Model:
             "vocab_size": cfg.vocab_size,
             "max_context": cfg.max_context,
             "parameters": count_parameters(self.weights),
+            "weight_bytes": weight_bytes(self.weights),
             "dtype": self.dtype,
         }

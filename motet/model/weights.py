@@ -108,3 +108,7 @@ def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32) -> d
 
 def count_parameters(weights: dict) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(weights))
+
+
+def weight_bytes(weights: dict) -> int:
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(weights))
