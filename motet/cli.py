@@ -6,10 +6,10 @@ stdout carries only what the user asked for (answers, info); logs go to stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from .runtime.config import ModelSettings, SamplingSettings
@@ -49,9 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "SERVE_TOPK from the environment; flags win)")
     muxp.add_argument("expert_cache", nargs="?", type=int, default=None,
                       help="accepted for compatibility (servers pass an expert-cache size)")
-    muxp.add_argument("--kv-slots", type=int, default=None)
-    muxp.add_argument("--topk", action="store_true", default=None, help="a TOPK line per token")
+    muxp.add_argument("--kv-slots", type=int, default=None, help="KV slots, 1-16 (KV_SLOTS; default 1)")
+    muxp.add_argument("--topk", action="store_true", default=None, help="a TOPK line per token (SERVE_TOPK=1)")
+    muxp.add_argument("--batch", action="store_true", help="the mux protocol even without SERVE_BATCH=1")
+    muxp.add_argument("--ngen", type=int, default=None,
+                      help="legacy protocol: tokens per answer to a chat line (NGEN; default 256)")
     _add_model_flags(muxp)
+    muxp.add_argument("--temperature", type=float, default=0.0, help="legacy protocol chat lines: 0 = greedy")
+    muxp.add_argument("--top-p", type=float, default=1.0, help="legacy protocol chat lines")
     return parser
 
 
@@ -138,21 +143,54 @@ def _snap_path(snap: str) -> Path:
     return path
 
 
+SHUTDOWN_GRACE_S = 5.0  # after SIGTERM/SIGINT, requests in flight get this long to finish
+
+
+@dataclass(frozen=True)
+class MuxSettings:
+    """`motet mux`'s settings: the environment a server sets, the flags winning."""
+
+    model: Path | None
+    legacy: bool  # SERVE=1 without SERVE_BATCH=1
+    kv_slots: int
+    context: int
+    topk: bool
+    ngen: int
+    kvsave: str | None
+
+    @classmethod
+    def from_args(cls, args, env) -> MuxSettings:
+        def number(name: str, flag, default: int) -> int:
+            if flag is not None:
+                return flag
+            try:
+                return int(env.get(name, default))
+            except ValueError:
+                raise ValueError(f"{name} must be an integer, got {env[name]!r}") from None
+
+        return cls(
+            model=args.model or (_snap_path(env["SNAP"]) if env.get("SNAP") else None),
+            legacy=env.get("SERVE") == "1" and env.get("SERVE_BATCH") != "1" and not args.batch,
+            kv_slots=number("KV_SLOTS", args.kv_slots, 1),
+            context=number("CTX", args.max_context, 4096),
+            topk=args.topk if args.topk is not None else env.get("SERVE_TOPK") == "1",
+            ngen=number("NGEN", args.ngen, 256),
+            kvsave=env.get("KVSAVE") or None,
+        )
+
+
 def cmd_mux(args) -> int:
     import trio
 
+    from .actors.legacy_bridge import LegacyBridge, LegacySettings
     from .actors.stdio_bridge import BridgeSettings, StdioBridge
     from .engine import Engine
 
-    env = os.environ
-    if env.get("SERVE") == "1" and env.get("SERVE_BATCH") != "1":
-        print("motet: error: the legacy protocol (SERVE=1 without SERVE_BATCH=1) is not "
-              "supported yet; set SERVE_BATCH=1", file=sys.stderr)
-        return 2
-    model = args.model or (_snap_path(env["SNAP"]) if env.get("SNAP") else None)
-    kv_slots = args.kv_slots or int(env.get("KV_SLOTS", "1"))
-    ctx = args.max_context or int(env.get("CTX", "4096"))
-    topk = args.topk if args.topk is not None else env.get("SERVE_TOPK") == "1"
+    mux = MuxSettings.from_args(args, os.environ)
+    if not 1 <= mux.kv_slots <= 16:
+        raise ValueError(f"KV_SLOTS must be in [1, 16], got {mux.kv_slots}")
+    if mux.kvsave:
+        log.warning("KVSAVE=%s: saving KV between runs is not supported yet; ignored", mux.kvsave)
     settings = model_settings(args)
     if settings.compile_cache is not None:
         import jax
@@ -166,12 +204,12 @@ def cmd_mux(args) -> int:
     from .model import ModelError, ModelFileError, UnsupportedModelError, load_model
 
     try:
-        loaded = load_model(model, dtype=args.dtype)
+        loaded = load_model(mux.model, dtype=args.dtype)
     except (ModelError, OSError, MemoryError) as exc:
         # An extension servers may read instead of READY; the reason also goes to stderr.
         kind = ("nomem" if isinstance(exc, MemoryError)
                 else "unsupported" if isinstance(exc, UnsupportedModelError)
-                else "format" if isinstance(exc, ModelFileError) and Path(str(model or "")).exists()
+                else "format" if isinstance(exc, ModelFileError) and Path(str(mux.model or "")).exists()
                 else "io")
         detail = " ".join(str(exc).split())
         os.write(protocol_fd, f"LOAD_FAIL kind={kind} {detail}\n".encode())
@@ -179,13 +217,40 @@ def cmd_mux(args) -> int:
         return 2
 
     async def serve():
-        async with Engine(loaded, kv_slots=kv_slots, max_context=ctx) as engine:
+        kv_slots = 1 if mux.legacy else mux.kv_slots
+        async with Engine(loaded, kv_slots=kv_slots, max_context=mux.context) as engine:
             stdin = trio.lowlevel.FdStream(os.dup(0))
             stdout = trio.lowlevel.FdStream(protocol_fd)
-            await StdioBridge(engine, BridgeSettings(topk=topk), stdin, stdout).run()
+            if mux.legacy:
+                sampling = LegacySettings(ngen=mux.ngen, temperature=args.temperature, top_p=args.top_p)
+                bridge = LegacyBridge(engine, sampling, stdin, stdout)
+            else:
+                bridge = StdioBridge(engine, BridgeSettings(topk=mux.topk), stdin, stdout)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_stop_on_signal, bridge.intake, nursery.cancel_scope)
+                await bridge.run()
+                nursery.cancel_scope.cancel()
 
     trio.run(serve)
     return 0
+
+
+async def _stop_on_signal(intake, scope):
+    """The first SIGTERM/SIGINT stops reading and gives requests in flight a grace period;
+    a second one ends them now."""
+    import signal
+
+    import trio
+
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            if intake.reading.cancel_called:
+                log.warning("second signal: stopping now")
+                intake.shutdown(0.0)
+            else:
+                log.info("%s: finishing requests in flight (at most %.0f s)",
+                         signal.Signals(signum).name, SHUTDOWN_GRACE_S)
+                intake.shutdown(SHUTDOWN_GRACE_S)
 
 
 COMMANDS = {"chat": cmd_chat, "info": cmd_info, "mux": cmd_mux}

@@ -23,8 +23,18 @@ from .actors.scheduler import Cancel, Drain, Scheduler, StopNow, Submit, Subscri
 from .model.kv import KVGeometry
 from .model.model import Model
 from .runtime.actor import open_reply, open_stream
-from .runtime.api import Completion, FinishEvent, GenerationRequest, TokenEvent
+from .runtime.api import (
+    Completion,
+    EngineStatistics,
+    ExpertState,
+    FinishEvent,
+    GenerationRequest,
+    StepRouting,
+    Telemetry,
+    TokenEvent,
+)
 from .runtime.errors import Cancelled, EngineClosed, EngineError, NotFound
+from .runtime.experts import HITS_EVERY, ExpertMap, turn_entropy
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +107,22 @@ class Engine:
             await nursery.start(slot.run)
         self._scheduler = Scheduler(runner, slots, self.queue_limit)
         await nursery.start(self._scheduler.run)
+        self._experts = ExpertMap.for_model(self.model.config)
+        await nursery.start(self._watch_experts)
         self._nursery = nursery
+
+    async def _watch_experts(self, *, task_status=trio.TASK_STATUS_IGNORED):
+        channel = await self.telemetry(buffer=1024)
+        task_status.started()
+        steps = 0
+        async for event in channel:
+            if isinstance(event, StepRouting):
+                self._experts.add_step(event)
+                steps += 1
+                if steps % HITS_EVERY == 0:
+                    self._experts.take_hits()
+            elif isinstance(event, Telemetry):
+                self._experts.end_turn(turn_entropy(event.expert_counts, self._experts.rows))
 
     def _load(self) -> Model:
         if isinstance(self._model_arg, Model):
@@ -160,6 +185,18 @@ class Engine:
             raise EngineClosed() from None
 
     # ---- the API --------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The model's name, as the HTTP server's `model` field shows it."""
+        return self.model.name
+
+    def statistics(self) -> EngineStatistics:
+        """Requests running and waiting now (a snapshot; the scheduler's own counts)."""
+        if self._scheduler is None:
+            return EngineStatistics(0, 0, self.kv_slots, self._closed)
+        stats = self._scheduler.statistics()
+        return stats if not self._closed else EngineStatistics(0, 0, self.kv_slots, True)
 
     @property
     def tokenizer(self):
@@ -241,9 +278,14 @@ class Engine:
         if not await self._ask(lambda reply: StopNow(request_id, reply)):
             raise NotFound(request_id)
 
+    def expert_state(self) -> ExpertState:
+        """The expert map now: heat per (MoE layer, expert), the experts routed in the
+        last few steps, the last turn's routing entropy."""
+        return self._experts.state()
+
     async def telemetry(self, buffer: int = 64) -> trio.MemoryReceiveChannel:
-        """A channel of per-turn Telemetry; a full channel misses turns rather than
-        slowing the engine."""
+        """A channel of per-turn Telemetry and per-step StepRouting; a full channel misses
+        events rather than slowing the engine."""
         send, receive = trio.open_memory_channel(buffer)
         await self._send(Subscribe(send))
         return receive

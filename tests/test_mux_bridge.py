@@ -30,6 +30,42 @@ def run_mux(stdin: bytes, *, env: dict | None = None, args=()) -> tuple[int, lis
     return proc.returncode, events, proc.stderr
 
 
+class MuxProcess:
+    """A `motet mux` child driven turn by turn: write requests, read until a condition."""
+
+    def __init__(self, env: dict | None = None):
+        environ = {**os.environ, "SNAP": str(GOLDEN / "llama"), "SERVE": "1", "SERVE_BATCH": "1",
+                   "KV_SLOTS": "2", "CTX": "256", **(env or {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "motet", "mux", "--compile-cache", str(REPO / ".jax_cache" / "tests")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=environ, cwd=REPO,
+        )
+        self.decoder, self.events = mux.ResponseDecoder(), []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.kill()
+        self.proc.wait()
+
+    def send(self, data: bytes):
+        self.proc.stdin.write(data)
+        self.proc.stdin.flush()
+
+    def read_until(self, done) -> list:
+        while not done(self.events):
+            data = os.read(self.proc.stdout.fileno(), 65536)
+            assert data, "the engine closed its stdout"
+            self.events += self.decoder.feed(data)
+        return self.events
+
+    def finish(self, timeout: float = 60) -> int:
+        rest, _ = self.proc.communicate(timeout=timeout)
+        self.events += self.decoder.feed(rest)
+        return self.proc.returncode
+
+
 def frames(events, kind, rid=None):
     return [e for e in events if isinstance(e, kind) and (rid is None or e.request_id == rid)]
 
@@ -113,10 +149,70 @@ def test_serve_topk():
     assert all(t.candidates[0][0] >= t.candidates[-1][0] for t in topks)
 
 
-def test_the_legacy_protocol_is_refused_clearly():
-    code, events, stderr = run_mux(b"", env={"SERVE_BATCH": ""})
-    assert code == 2 and not events
-    assert b"legacy protocol" in stderr
+def test_prefix_reuse_on_a_second_turn_is_reported():
+    with MuxProcess() as engine:
+        engine.send(submit(20, 0, 6))
+        answer = text_of(engine.read_until(lambda ev: frames(ev, mux.Done, 20)), 20)
+        second = PROMPT + answer + b"<|im_end|>\n<|im_start|>user\nAnd rivers?<|im_end|>\n<|im_start|>assistant\n"
+        engine.send(submit(21, 0, 6, second))
+        events = engine.read_until(lambda ev: frames(ev, mux.Done, 21))
+    turns = {int(e.fields[0]): e.fields for e in frames(events, mux.Telemetry) if e.kind == "TURN"}
+    assert turns[20][1:3] == ("0", "0")  # slot 0, nothing reused on a fresh slot
+    assert int(turns[21][2]) >= len(PROMPT) // 8  # the second turn kept the first's prefix
+    (done,) = frames(events, mux.Done, 21)
+    assert int(turns[21][2]) < done.prompt_tokens
+
+
+def test_hits_lines_come_during_decode_for_a_moe_model():
+    code, events, _ = run_mux(submit(22, 0, 30), env={"SNAP": str(GOLDEN / "olmoe")})
+    assert code == 0
+    (done,) = frames(events, mux.Done, 22)
+    end = events.index(done)
+    first_data = events.index(frames(events, mux.Data, 22)[0])
+    hits = [e for e in events[first_data:end] if isinstance(e, mux.Telemetry) and e.kind == "HITS"]
+    assert len(hits) >= 4  # ~every 6 steps over 30 tokens, and the one in the final block
+    rows, cols = int(hits[0].fields[0]), int(hits[0].fields[1])
+    assert cols > 1 and all(int(h.fields[2], 16) for h in hits[:-1])  # a MoE map; experts routed
+    assert len(bytes.fromhex(hits[0].fields[2])) == (rows * cols + 7) // 8
+    (entropy,) = [e for e in events[first_data:end] if isinstance(e, mux.Telemetry) and e.kind == "ENTROPY"]
+    assert len(entropy.fields) == rows and all(float(h) > 0 for h in entropy.fields)
+
+
+def test_sigterm_lets_requests_in_flight_finish_then_exits_0():
+    with MuxProcess() as engine:
+        engine.send(submit(30, 0, 60))
+        engine.read_until(lambda ev: frames(ev, mux.Data, 30))  # decoding has begun
+        engine.proc.terminate()
+        engine.send(submit(31, 1))  # after the signal: never read
+        code = engine.finish()  # stdin stays open: the signal alone ends the engine
+        events = engine.events
+    assert code == 0
+    assert frames(events, mux.Done, 30) or frames(events, mux.Error, 30) == [mux.Error(30, "CANCELLED")]
+    assert not frames(events, mux.Done, 31) and not frames(events, mux.Error, 31)
+
+
+def test_the_legacy_protocol():
+    chat = b"Hello there\n"
+    raw = b"<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    wire = (chat + b"\x02MORE\n" + b"\x02RESET\n" + chat
+            + f"\x02PROMPT {len(raw)} 4 0 1\n".encode() + raw + b"\n" + b"\x02BOGUS\n")
+    environ = {**os.environ, "SNAP": str(GOLDEN / "llama"), "SERVE": "1", "CTX": "256", "NGEN": "5"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "motet", "mux", "--compile-cache", str(REPO / ".jax_cache" / "tests")],
+        input=wire, capture_output=True, env=environ, timeout=300, cwd=REPO,
+    )
+    assert proc.returncode == 0
+    head, _, rest = proc.stdout.partition(b"\n")
+    assert head == mux.READY and rest.startswith(b"STAT 0 0.00 0.0 ")
+    answers = rest.split(b"\n", 1)[1].split(b"\x01\x01END\x01\x01\n")
+    stats = [a.split(b"\n", 1)[0].split() for a in answers[1:]]
+    assert len(stats) == 4  # chat line, MORE, the same chat line after RESET, PROMPT
+    first, more, again, prompt = answers[0], *(a.split(b"\n", 1)[1] for a in answers[1:4])
+    assert stats[0][:2] == [b"STAT", b"5"] and stats[0][-1] == b"1"  # cut at NGEN
+    assert more and stats[1][-1] in (b"0", b"1")  # MORE carried the answer on
+    assert again == first  # RESET forgot the conversation: the same turn, the same greedy answer
+    assert stats[3][1] == b"4" and int(stats[3][5]) > 0
+    assert answers[4].split(b"\n", 1)[1] == b"\x01\x01ERROR BAD_REQUEST\x01\x01\n"
 
 
 @pytest.mark.parametrize(("snap", "kind"), [("missing.gguf", "io"), ("not-a-model.bin", "format")])

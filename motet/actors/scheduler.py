@@ -20,11 +20,14 @@ import trio
 from ..model.detokenizer import IncrementalDetokenizer
 from ..runtime.actor import open_inbox, open_reply
 from ..runtime.api import (
+    EngineStatistics,
     FinishEvent,
     GenerationRequest,
+    StepRouting,
     Telemetry,
     TokenEvent,
     TopCandidate,
+    TurnReport,
     TurnStats,
 )
 from ..runtime.errors import (
@@ -36,6 +39,7 @@ from ..runtime.errors import (
     QueueFull,
     SlotBusy,
 )
+from ..runtime.experts import turn_entropy, turn_perf
 from .kv_slot import Claim, Extend, KVSlot, Probe, Release
 from .policy import StopMatcher, choose_slot
 from .runner import ModelRunner, Sampled, SamplingRow
@@ -67,7 +71,8 @@ class StopNow:
 
 @dataclass(frozen=True)
 class Subscribe:
-    """Send every turn's Telemetry to this channel (dropped when it is full)."""
+    """Send every turn's Telemetry and every step's StepRouting to this channel (dropped
+    when it is full)."""
 
     channel: trio.MemorySendChannel
 
@@ -115,14 +120,19 @@ class Active:
         return self.submit.request_id
 
     def count_experts(self, experts: np.ndarray) -> None:
-        """Add routed-expert ids ([MoE layers, ...]) to this turn's per-layer counts."""
-        if self.expert_counts is not None and experts.size:
-            layers = experts.reshape(experts.shape[0], -1)
-            np.add.at(self.expert_counts, (np.arange(layers.shape[0])[:, None], layers), 1)
+        if self.expert_counts is not None:
+            add_routing(self.expert_counts, experts)
 
     def sampling_row(self) -> SamplingRow:
         r = self.request
         return SamplingRow(r.temperature, r.top_p, self.key, r.top_logprobs > 0)
+
+
+def add_routing(counts: np.ndarray, experts: np.ndarray) -> None:
+    """Add routed-expert ids ([MoE layers, ...]) to per-layer, per-expert counts."""
+    if experts.size:
+        layers = experts.reshape(experts.shape[0], -1)
+        np.add.at(counts, (np.arange(layers.shape[0])[:, None], layers), 1)
 
 
 def _tell(sub: Submit, event) -> bool:
@@ -144,6 +154,7 @@ class Scheduler:
         self.max_context = runner.geo.max_context
         cfg = runner.model.config
         self.expert_zeros = np.zeros((sum(cfg.moe_layers), cfg.n_experts), np.int64)
+        self.dense_layers = 0 if cfg.is_moe else cfg.n_layers
         self.chunk = runner.geo.chunk
         self.inbox = open_inbox()
         self.active: dict[int, Active] = {}
@@ -233,6 +244,9 @@ class Scheduler:
             case _:
                 raise TypeError(f"the scheduler got an unknown message {msg!r}")
 
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(len(self.active), len(self.waiting), len(self.slots), self.closing)
+
     def in_flight(self) -> set[int]:
         return set(self.active) | {s.request_id for s in self.waiting}
 
@@ -317,12 +331,14 @@ class Scheduler:
                 self.runner.extend, act.slot, chunk, act.cursor, limiter=self.limiter
             )
             act.count_experts(experts)
+            self._publish_routing([experts], len(chunk))
         act.sample_s += self.runner.sample_seconds - sampling
         act.prefill_s += time.perf_counter() - started - (self.runner.sample_seconds - sampling)
         act.cursor += len(chunk)
         await self.slots[act.slot].inbox.send.send(Extend(tuple(chunk)))
         if not last or act.rid not in self.active:
             return
+        self._publish_routing([sampled.experts], len(chunk))
         self.prefilling.popleft()
         act.position = len(prompt)
         self.decoding.append(act.rid)
@@ -341,6 +357,7 @@ class Scheduler:
         )
         sample_s = self.runner.sample_seconds - sampling
         decode_s = time.perf_counter() - started - sample_s
+        self._publish_routing([r.experts for r in results], len(acts))
         for act, sampled in zip(acts, results):
             act.decode_s += decode_s
             act.sample_s += sample_s
@@ -421,7 +438,7 @@ class Scheduler:
             total_s=now - act.started,
         )
         telemetry = self._telemetry(act)
-        self._send(act, FinishEvent(stats, tail, telemetry))
+        self._send(act, FinishEvent(stats, tail, telemetry, self._report(stats, telemetry)))
         act.submit.events.close()
         self.clock += 1
         await self.slots[act.slot].inbox.send.send(Release(rid, self.clock))
@@ -439,7 +456,20 @@ class Scheduler:
         counts = tuple(tuple(int(c) for c in layer) for layer in act.expert_counts)
         return Telemetry(act.rid, act.prefill_s, act.decode_s, act.sample_s, counts)
 
-    def _publish(self, event: Telemetry):
+    def _report(self, stats: TurnStats, telemetry: Telemetry) -> TurnReport:
+        entropy = turn_entropy(telemetry.expert_counts, self.dense_layers)
+        return TurnReport(turn_perf(stats, telemetry), entropy)
+
+    def _publish_routing(self, experts: list[np.ndarray], tokens: int):
+        """Tell subscribers which experts a step used ([MoE layers, ...] ids per part)."""
+        if not self.telemetry_subscribers:
+            return
+        counts = self.expert_zeros.copy()
+        for part in experts:
+            add_routing(counts, part)
+        self._publish(StepRouting(tuple(tuple(int(c) for c in row) for row in counts), tokens))
+
+    def _publish(self, event: Telemetry | StepRouting):
         for ch in list(self.telemetry_subscribers):
             try:
                 ch.send_nowait(event)

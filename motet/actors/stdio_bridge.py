@@ -5,7 +5,6 @@ line goes through one writer, so frames never interleave."""
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import dataclass
 
@@ -13,8 +12,10 @@ import psutil
 import trio
 
 from ..protocol import mux
-from ..runtime.api import FinishEvent, TokenEvent
+from ..runtime.api import FinishEvent, StepRouting, TokenEvent
 from ..runtime.errors import BadRequest, ContextExceeded, EngineError, NotFound
+from ..runtime.experts import HITS_EVERY, ExpertMap
+from .bridge import Intake, cpu_name, rss_gb
 
 log = logging.getLogger(__name__)
 READ_SIZE = 65536
@@ -25,57 +26,6 @@ class BridgeSettings:
     topk: bool = False  # SERVE_TOPK=1: a TOPK line per token
 
 
-def rss_gb() -> float:
-    return psutil.Process().memory_info().rss / 1e9
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "cpu"
-
-
-class ExpertMap:
-    """Heat per (layer, expert) over the engine's life and hits since the last HITS line.
-    A dense model is one always-on expert per layer."""
-
-    def __init__(self, rows: int, cols: int):
-        self.rows, self.cols = rows, cols
-        self.heat = [[0] * cols for _ in range(rows)]
-        self.hits = [[False] * cols for _ in range(rows)]
-
-    def add(self, counts) -> None:
-        for r, layer in enumerate(counts):
-            for c, n in enumerate(layer):
-                self.heat[r][c] += n
-                self.hits[r][c] = self.hits[r][c] or n > 0
-
-    def emap(self) -> bytes:
-        device_tier = 2
-        cells = bytes((device_tier << 6) | min(63, n.bit_length()) for row in self.heat for n in row)
-        return mux.encode_telemetry("EMAP", self.rows, self.cols, cells.hex())
-
-    def take_hits(self) -> bytes:
-        bits = [h for row in self.hits for h in row]
-        packed = bytes(
-            sum(1 << (7 - j) for j, b in enumerate(bits[i : i + 8]) if b) for i in range(0, len(bits), 8)
-        )
-        self.hits = [[False] * self.cols for _ in range(self.rows)]
-        return mux.encode_telemetry("HITS", self.rows, self.cols, packed.hex() or "00")
-
-
-def entropy_bits(counts) -> list[float]:
-    out = []
-    for layer in counts:
-        total = sum(layer)
-        out.append(max(0.0, -sum(n / total * math.log2(n / total) for n in layer if n)) if total else 0.0)
-    return out
-
-
 class StdioBridge:
     def __init__(self, engine, settings: BridgeSettings, receive, send):
         self.engine = engine
@@ -83,19 +33,38 @@ class StdioBridge:
         self.input = receive
         self.output = send
         self.out_send, self.out_receive = trio.open_memory_channel(1024)
-        cfg = engine.model.config
-        rows, cols = (sum(cfg.moe_layers), cfg.n_experts) if cfg.is_moe else (cfg.n_layers, 1)
-        self.experts = ExpertMap(rows, cols)
+        self.intake = Intake()
+        self.experts = ExpertMap.for_model(engine.model.config)
         self.weights_gb = engine.model.info()["weight_bytes"] / 1e9
 
     async def run(self) -> None:
         """Until stdin ends (or a bad frame): then in-flight requests finish first."""
         async with trio.open_nursery() as writer_scope:
             writer_scope.start_soon(self._writer)
+            routing = await self.engine.telemetry(buffer=1024)
             await self._handshake()
+            hits_scope = trio.CancelScope()
+            writer_scope.start_soon(self._hits, routing, hits_scope)
             async with trio.open_nursery() as requests:
-                await self._reader(requests)
-            await self.out_send.aclose()
+                self.intake.work = requests
+                with self.intake.reading:
+                    await self._reader(requests)
+            hits_scope.cancel()
+            await self.out_send.aclose()  # the writer writes what is queued, then ends
+
+    async def _hits(self, routing, scope: trio.CancelScope):
+        """A HITS line every few device steps: the experts routed since the last one."""
+        with scope:
+            steps = 0
+            async for event in routing:
+                if isinstance(event, StepRouting):
+                    self.experts.add_step(event)
+                    steps += 1
+                    if steps % HITS_EVERY == 0:
+                        await self._write(self._hits_line())
+
+    def _hits_line(self) -> bytes:
+        return mux.encode_telemetry("HITS", self.experts.rows, self.experts.cols, self.experts.take_hits().hex())
 
     async def _writer(self):
         async with self.out_receive:
@@ -120,8 +89,11 @@ class StdioBridge:
         await self._write(
             mux.encode_ready()
             + mux.encode_telemetry("STAT", 0, "0.00", "0.0", f"{rss_gb():.2f}")
-            + self._hwinfo() + self._tiers() + self.experts.emap()
+            + self._hwinfo() + self._tiers() + self._emap()
         )
+
+    def _emap(self) -> bytes:
+        return mux.encode_telemetry("EMAP", self.experts.rows, self.experts.cols, self.experts.emap().hex())
 
     async def _reader(self, requests: trio.Nursery):
         decoder = mux.RequestDecoder()
@@ -200,24 +172,24 @@ class StdioBridge:
             await self._write(mux.encode_error(rid, "CANCELLED"))
             return
         tail = mux.encode_data(rid, event.text_tail) if event.text_tail else b""
-        tel = event.telemetry
-        counts = tel.expert_counts if tel and tel.expert_counts else [
-            [stats.prompt_tokens - stats.reused_tokens + stats.emitted_tokens]
-        ] * self.experts.rows
-        self.experts.add(counts)
-        entropy = entropy_bits(counts)
+        report = event.report
+        self.experts.end_turn(report.entropy)
+        p = report.perf
         perf = mux.encode_telemetry(
-            "PERF", rid, f"{stats.total_s:.4f}", "0.0000", "0.0000",
-            f"{(tel.prefill_s + tel.decode_s) if tel else 0.0:.4f}", "0.0000", "0.0000",
-            f"{tel.sample_s if tel else 0.0:.4f}",
+            "PERF", rid, *(f"{x:.4f}" for x in (p.dt, p.t_edisk, p.t_ewait, p.t_emm, p.t_attn, p.t_kvb, p.t_head))
+        )
+        # [extension] what the turn reused: servers that do not know TURN skip it
+        turn = mux.encode_telemetry(
+            "TURN", rid, stats.slot, stats.reused_tokens, f"{stats.time_to_first_token_s:.4f}"
         )
         done = mux.Done(
             rid, stats.emitted_tokens, stats.decode_tokens_per_s, 100.0, rss_gb(),
             stats.prompt_tokens, stats.finish_reason == "length",
         )
         await self._write(
-            tail + self._hwinfo() + perf
-            + mux.encode_telemetry("ENTROPY", *(f"{h:.3f}" for h in entropy))
-            + mux.encode_telemetry("GPUS", 0) + self._tiers() + self.experts.emap()
-            + self.experts.take_hits() + mux.encode_done(done)
+            tail + turn + self._hwinfo() + perf
+            + mux.encode_telemetry("ENTROPY", *(f"{h:.3f}" for h in report.entropy))
+            + mux.encode_telemetry("GPUS", 0) + self._tiers() + self._emap()
+            + self._hits_line()
+            + mux.encode_done(done)
         )

@@ -26,6 +26,11 @@ class Model:
     dtype: str
 
     @property
+    def name(self) -> str:
+        """The file's stem, or the directory's name for a Hugging Face directory."""
+        return self.path.stem if self.path.is_file() else self.path.name
+
+    @property
     def chat_template(self) -> str:
         return self.tokenizer.chat_template or CHATML_TEMPLATE
 

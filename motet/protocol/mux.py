@@ -114,13 +114,16 @@ class BadLine:
     reason: str
 
 
-TELEMETRY_KINDS = frozenset({"STAT", "HWINFO", "TIERS", "EMAP", "HITS", "REPIN", "PERF", "ENTROPY", "GPUS"})
+# TURN is motet's extension: `TURN <id> <slot> <reused_tokens> <ttft_s>` before a turn's block.
+TELEMETRY_KINDS = frozenset(
+    {"STAT", "HWINFO", "TIERS", "EMAP", "HITS", "REPIN", "PERF", "ENTROPY", "GPUS", "TURN"}
+)
 
 
 # ---- shared line splitting -------------------------------------------------------------
 
 
-class _Lines:
+class LineBuffer:
     """Splits a byte stream into lines and byte-counted payloads."""
 
     def __init__(self):
@@ -168,7 +171,7 @@ class RequestDecoder:
     """The engine's reader of SUBMIT / CANCEL / STOP."""
 
     def __init__(self):
-        self.lines = _Lines()
+        self.lines = LineBuffer()
         self.pending: tuple | None = None  # a SUBMIT header waiting for its payload
         self.closed = False
 
@@ -302,7 +305,7 @@ class ResponseDecoder:
     BadLine events."""
 
     def __init__(self):
-        self.lines = _Lines()
+        self.lines = LineBuffer()
         self.pending_data: tuple[int, int] | None = None  # (id, n) of a DATA frame
 
     def feed(self, data: bytes) -> list:
@@ -378,3 +381,40 @@ class ResponseDecoder:
 
 
 _SKIP = object()
+
+
+# ---- motet's extension lines, for clients that know them ---------------------------------
+
+
+@dataclass(frozen=True)
+class Turn:
+    """`TURN <id> <slot> <reused_tokens> <ttft_s>`, written before a turn's telemetry block:
+    what the turn reused and how long its first token took."""
+
+    request_id: int
+    slot: int
+    reused_tokens: int
+    ttft_s: float
+
+
+@dataclass(frozen=True)
+class LoadFail:
+    """`LOAD_FAIL kind=<kind> <detail>`, written instead of READY by a model that cannot load."""
+
+    kind: str
+    detail: str
+
+
+class ExtendedResponseDecoder(ResponseDecoder):
+    """A ResponseDecoder that also reads motet's extension lines (TURN, LOAD_FAIL), which
+    the plain decoder skips as unknown kinds."""
+
+    def _parse(self, kind: str, args: list[str]):
+        if kind == "TURN":
+            if len(args) != 4:
+                raise ValueError("TURN takes an id, a slot, reused tokens and seconds")
+            return Turn(_u64(args[0], "id", nonzero=True), int(args[1]), int(args[2]), float(args[3]))
+        if kind == "LOAD_FAIL":
+            fail_kind = args[0].removeprefix("kind=") if args else ""
+            return LoadFail(fail_kind, " ".join(args[1:]))
+        return super()._parse(kind, args)

@@ -38,7 +38,7 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class TopCandidate:
-    token_id: int
+    token_id: int | None  # None from a mux engine: the wire carries text only
     text: str
     logprob: float
 
@@ -46,12 +46,14 @@ class TopCandidate:
 @dataclass(frozen=True)
 class TokenEvent:
     """Text released by one sampled token (may be empty while UTF-8 or a possible stop
-    string is incomplete), with the token's logprob and, when asked, its top candidates."""
+    string is incomplete), with the token's logprob and, when asked, its top candidates.
+    A mux engine reports text only: `token_id` is None, and `logprob` is known only when
+    top candidates were asked for (None otherwise)."""
 
     request_id: int
     text: str
-    token_id: int
-    logprob: float
+    token_id: int | None
+    logprob: float | None
     top: tuple[TopCandidate, ...] = ()
 
 
@@ -80,10 +82,68 @@ class Telemetry:
 
 
 @dataclass(frozen=True)
+class StepRouting:
+    """The experts one device step routed to, summed over its rows: per MoE layer, per
+    expert, tokens (for a dense model: no rows, and `tokens` says how many ran)."""
+
+    counts: tuple[tuple[int, ...], ...]
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Perf:
+    """A turn's time split the way the mux PERF line reports it, in seconds: the whole
+    turn, expert loads from disk, waits for experts, expert matmuls, attention, KV
+    bookkeeping, the LM head and sampling."""
+
+    dt: float = 0.0
+    t_edisk: float = 0.0
+    t_ewait: float = 0.0
+    t_emm: float = 0.0
+    t_attn: float = 0.0
+    t_kvb: float = 0.0
+    t_head: float = 0.0
+
+
+@dataclass(frozen=True)
+class TurnReport:
+    """A finished turn's telemetry as the fronts show it (the mux telemetry block)."""
+
+    perf: Perf
+    entropy: tuple[float, ...]  # per MoE layer, bits
+    gpus: tuple[tuple[float, float, int], ...] = ()  # per device: used GB, total GB, experts
+    repin: tuple[tuple[int, int, int, int], ...] = ()  # layer, expert, old tier, device
+
+
+@dataclass(frozen=True)
+class ExpertState:
+    """The latest expert map: per (MoE layer, expert) a byte `tier << 6 | heat`, a bit per
+    expert routed recently, a counter that moves with each HITS, the last turn's entropy."""
+
+    rows: int
+    cols: int
+    emap: bytes
+    hits: bytes
+    seq: int
+    entropy: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class EngineStatistics:
+    """A snapshot of the engine's load."""
+
+    running: int  # requests holding a slot (prefilling or decoding)
+    waiting: int  # requests queued for a slot
+    slots_total: int
+    closing: bool  # draining: new requests are refused
+
+
+@dataclass(frozen=True)
 class FinishEvent:
     stats: TurnStats
     text_tail: str = ""  # text held back until the end (stop-string prefixes, partial UTF-8)
-    telemetry: Telemetry | None = None  # the turn's timings and routing
+    telemetry: Telemetry | None = None  # the turn's timings and routing (in-process engine)
+    report: TurnReport | None = None  # the turn's telemetry as the fronts show it
 
 
 @dataclass(frozen=True)

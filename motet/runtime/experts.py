@@ -1,0 +1,99 @@
+"""Expert telemetry as the fronts show it: the heat map (EMAP), the experts routed since
+the last look (HITS), the per-layer routing entropy of a turn, and a turn's PERF figures.
+Plain code, no Trio: the stdio bridge, the engine and the HTTP server each keep their own
+ExpertMap and feed it the engine's routing."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from .api import ExpertState, Perf, StepRouting, Telemetry, TurnStats
+
+DEVICE_TIER = 2  # EMAP's 2-bit tier: 0 disk, 1 host RAM, 2 device
+MAX_HEAT = 63
+HITS_EVERY = 6  # device steps per HITS snapshot ("about every 6 tokens", as the mux protocol)
+
+
+class ExpertMap:
+    """Heat per (MoE layer, expert) over the engine's life, and the experts routed since
+    the last `take_hits`. A dense model is one always-on expert per layer."""
+
+    def __init__(self, rows: int, cols: int):
+        self.rows, self.cols = rows, cols
+        self.heat = [[0] * cols for _ in range(rows)]
+        self.hits = [[False] * cols for _ in range(rows)]
+        self.seq = 0  # HITS snapshots taken
+        self.last_hits: bytes | None = None
+        self.entropy: tuple[float, ...] = (0.0,) * rows
+
+    @classmethod
+    def for_model(cls, config) -> ExpertMap:
+        if config.is_moe:
+            return cls(sum(config.moe_layers), config.n_experts)
+        return cls(config.n_layers, 1)
+
+    def add(self, counts: Sequence[Sequence[int]]) -> None:
+        """Routed-token counts of some steps, per MoE layer, per expert."""
+        for r, layer in enumerate(counts):
+            for c, n in enumerate(layer):
+                if n:
+                    self.heat[r][c] += n
+                    self.hits[r][c] = True
+
+    def add_step(self, step: StepRouting) -> None:
+        if step.counts:
+            self.add(step.counts)
+        else:
+            self.add([[step.tokens]] * self.rows)  # dense: each layer's one expert ran
+
+    def end_turn(self, entropy: Sequence[float]) -> None:
+        self.entropy = tuple(entropy)
+
+    def emap(self) -> bytes:
+        """One byte per expert, row-major: tier << 6 | heat (log2 bucket of routed tokens)."""
+        return bytes(
+            (DEVICE_TIER << 6) | min(MAX_HEAT, n.bit_length()) for row in self.heat for n in row
+        )
+
+    def hit_bits(self) -> bytes:
+        """A bit per expert routed since the last take, most significant bit first."""
+        bits = [h for row in self.hits for h in row]
+        return bytes(
+            sum(1 << (7 - j) for j, b in enumerate(bits[i : i + 8]) if b)
+            for i in range(0, len(bits), 8)
+        )
+
+    def take_hits(self) -> bytes:
+        packed = self.last_hits = self.hit_bits()
+        self.hits = [[False] * self.cols for _ in range(self.rows)]
+        self.seq += 1
+        return packed
+
+    def state(self) -> ExpertState:
+        """A snapshot; its hits are those of the last take (the current ones before any)."""
+        hits = self.last_hits if self.last_hits is not None else self.hit_bits()
+        return ExpertState(self.rows, self.cols, self.emap(), hits, self.seq, self.entropy)
+
+
+def turn_entropy(counts: Sequence[Sequence[int]], rows: int) -> tuple[float, ...]:
+    """A turn's per-layer routing entropy; a dense model (no counts) is 0 per layer."""
+    return tuple(entropy_bits(counts)) if counts else (0.0,) * rows
+
+
+def entropy_bits(counts: Sequence[Sequence[int]]) -> list[float]:
+    """Per layer, the entropy (bits) of the distribution of routed tokens over experts."""
+    out = []
+    for layer in counts:
+        total = sum(layer)
+        h = -sum(n / total * math.log2(n / total) for n in layer if n) if total else 0.0
+        out.append(max(0.0, h))
+    return out
+
+
+def turn_perf(stats: TurnStats, telemetry: Telemetry | None) -> Perf:
+    """The PERF figures motet measures: the turn's seconds, device seconds for prefill and
+    decode (reported as the matmul time: attention is not timed apart), sampling seconds
+    (the head). Expert disk/wait times are 0 while every expert lives on the device."""
+    device = (telemetry.prefill_s + telemetry.decode_s) if telemetry else 0.0
+    return Perf(dt=stats.total_s, t_emm=device, t_head=telemetry.sample_s if telemetry else 0.0)
