@@ -57,6 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(muxp)
     muxp.add_argument("--temperature", type=float, default=0.0, help="legacy protocol chat lines: 0 = greedy")
     muxp.add_argument("--top-p", type=float, default=1.0, help="legacy protocol chat lines")
+    servep = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (and the web page)")
+    servep.add_argument("--host", default="127.0.0.1")
+    servep.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    servep.add_argument("--kv-slots", type=int, default=16)
+    servep.add_argument("--api-key", default=None, help="required on /v1, /experts, /metrics (MOTET_API_KEY)")
+    servep.add_argument("--allow-insecure-bind", action="store_true",
+                        help="serve on a non-loopback address without an API key")
+    servep.add_argument("--cors-origin", action="append", default=[], help="an allowed origin (repeatable)")
+    servep.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    servep.add_argument("--queue-limit", type=int, default=64, help="requests waiting for a slot (past it: 429)")
+    servep.add_argument("--web-dir", type=Path, default=None, help="the folder served at / (default: the repo's web/)")
+    servep.add_argument("--engine-cmd", default=None, help='a mux engine to drive, e.g. "motet mux"')
+    _add_model_flags(servep)
     return parser
 
 
@@ -253,7 +266,22 @@ async def _stop_on_signal(intake, scope):
                 intake.shutdown(SHUTDOWN_GRACE_S)
 
 
-COMMANDS = {"chat": cmd_chat, "info": cmd_info, "mux": cmd_mux}
+def cmd_serve(args) -> int:
+    from .http.serve import run
+    from .http.settings import ServeSettings
+
+    extra = {"web_dir": args.web_dir} if args.web_dir is not None else {}
+    settings = ServeSettings(
+        host=args.host, port=args.port, kv_slots=args.kv_slots, max_context=args.max_context or 4096,
+        queue_limit=args.queue_limit, api_key=args.api_key or os.environ.get("MOTET_API_KEY") or None,
+        allow_insecure_bind=args.allow_insecure_bind, cors_origins=tuple(args.cors_origin),
+        max_body_bytes=args.max_body_bytes, engine_cmd=args.engine_cmd, model_path=args.model, **extra,
+    )  # checked (e.g. no key on a public address) before the model loads
+    model = open_model(model_settings(args)) if args.engine_cmd is None else None
+    return run(settings, model)
+
+
+COMMANDS = {"chat": cmd_chat, "info": cmd_info, "mux": cmd_mux, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

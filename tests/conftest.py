@@ -4,6 +4,7 @@ reruns skip most compiles."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import jax
@@ -18,6 +19,10 @@ TINY_ARCHS = ("llama", "qwen3_moe", "olmoe", "mixtral")
 
 jax.config.update("jax_compilation_cache_dir", str(COMPILE_CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+# `motet mux` as a child process, sharing the tests' compilation cache (its SNAP, KV_SLOTS
+# and CTX come from the environment).
+MUX_COMMAND = (sys.executable, "-m", "motet", "mux", "--compile-cache", str(COMPILE_CACHE))
 
 # One cache geometry for the tiny models' KV tests, so they share compiled functions.
 TINY_GEO = KVGeometry(n_slots=16, max_context=112, chunk=16)

@@ -207,7 +207,7 @@ def test_the_legacy_protocol():
     answers = rest.split(b"\n", 1)[1].split(b"\x01\x01END\x01\x01\n")
     stats = [a.split(b"\n", 1)[0].split() for a in answers[1:]]
     assert len(stats) == 4  # chat line, MORE, the same chat line after RESET, PROMPT
-    first, more, again, prompt = answers[0], *(a.split(b"\n", 1)[1] for a in answers[1:4])
+    first, more, again, _ = answers[0], *(a.split(b"\n", 1)[1] for a in answers[1:4])
     assert stats[0][:2] == [b"STAT", b"5"] and stats[0][-1] == b"1"  # cut at NGEN
     assert more and stats[1][-1] in (b"0", b"1")  # MORE carried the answer on
     assert again == first  # RESET forgot the conversation: the same turn, the same greedy answer

@@ -6,11 +6,14 @@ import importlib.util
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import jax.numpy as jnp
 
+from .chat_template import CHATML_TEMPLATE, render_chat
 from .config import config_from_gguf, config_from_hf
 from .errors import ModelFileError, UnsupportedModelError
 from .gguf_file import GGUF_MAGIC, GGUFSource, gguf_metadata, open_gguf
@@ -91,3 +94,27 @@ def _open_hf_dir(path: Path):
     if not (path / "tokenizer.json").exists():
         raise ModelFileError(f"{path}: no tokenizer.json")
     return cfg, Tokenizer.from_hf_dir(path), SafetensorsSource(path)
+
+
+def load_chat(path: str | Path | None = None) -> tuple[Tokenizer, Callable[[list[dict]], str]]:
+    """A model's tokenizer and its chat-template renderer (messages → prompt text, with
+    the generation prompt), without the weights: for a client whose engine runs in another
+    process but which renders prompts itself, as mux clients do. `path` is what `SNAP`
+    may be: a .gguf file, a directory holding one, or a Hugging Face model directory."""
+    path = default_model_path() if path is None else Path(path)
+    if not path.exists():
+        raise ModelFileError(f"{path}: no such file or directory")
+    if path.is_dir() and not (path / "config.json").exists():
+        path = next(iter(sorted(path.glob("*.gguf"))), path)
+    if path.is_dir():
+        tokenizer = Tokenizer.from_hf_dir(path)
+    else:
+        with open(path, "rb") as f:
+            if f.read(4) != GGUF_MAGIC:
+                raise ModelFileError(f"{path}: not a GGUF file or a Hugging Face model directory")
+        tokenizer = Tokenizer.from_gguf(gguf_metadata(open_gguf(path)))
+    render = partial(
+        render_chat, tokenizer.chat_template or CHATML_TEMPLATE, add_generation_prompt=True,
+        bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "",
+    )
+    return tokenizer, render

@@ -1,0 +1,233 @@
+"""The Quart-Trio app: OpenAI routes, /health, /experts, /metrics and the web folder.
+
+Written against the engine API only (stream, render_chat, name, statistics,
+expert_state), so the in-process Engine and a MuxEngine plug in alike.
+
+Auth: with an API key set, `/v1/*`, `/experts` and `/metrics` need it (`Authorization:
+Bearer <key>` or `x-api-key: <key>`); `/health` (for load balancers) and the web folder
+(the page asks for the key itself) stay open. CORS answers only the origins given, and
+preflights before auth, since browsers send no credentials on a preflight.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException, NotFound
+
+from . import openai_responses as shape
+from . import static
+from .errors import ApiError, invalid
+from .generate import Generation, Turn
+from .metrics import Metrics, RecentRate
+from .openai_schema import InvalidRequest, parse_chat, parse_completion
+from .settings import ServeSettings
+
+log = logging.getLogger(__name__)
+
+PROTECTED = ("/v1/", "/experts", "/metrics")
+CORS_METHODS = "GET, POST, OPTIONS"
+CORS_HEADERS = "Authorization, Content-Type, X-Api-Key"
+CORS_MAX_AGE_S = 600
+
+
+def error_response(error: ApiError) -> Response:
+    return Response(json.dumps(error.body()), status=error.status, headers=error.headers(),
+                    content_type="application/json")
+
+
+class Server:
+    """One app's state: the engine, the settings, the metrics; `closing` is set when the
+    server begins to shut down (new requests get a 503 from then on)."""
+
+    def __init__(self, engine, settings: ServeSettings):
+        self.engine = engine
+        self.settings = settings
+        self.metrics = Metrics(engine)
+        self.decode_rate = RecentRate()
+        self.generation = Generation(engine, self.metrics, self.decode_rate,
+                                     settings.default_max_tokens, settings.retry_after_s)
+        self.created = int(time.time())
+        self.closing = False
+
+    # ---- around every request -------------------------------------------------------
+
+    async def before(self):
+        if request.method == "OPTIONS":
+            return self._preflight()
+        key = self.settings.api_key
+        if key is not None and request.path.startswith(PROTECTED) and not self._authorized(key):
+            return error_response(ApiError(401, "a valid API key is required (Authorization: "
+                                           "Bearer <key>, or x-api-key: <key>)", code="invalid_api_key"))
+        return None
+
+    def _authorized(self, key: str) -> bool:
+        auth = request.headers.get("Authorization", "")
+        given = [auth[7:].strip()] if auth[:7].lower() == "bearer " else []
+        given += request.headers.getlist("X-Api-Key")
+        expected = key.encode()
+        # compare_digest on every candidate, so the time taken does not tell which failed
+        return any([hmac.compare_digest(g.encode(), expected) for g in given])
+
+    def _allowed_origin(self) -> str | None:
+        origin = request.headers.get("Origin")
+        origins = self.settings.cors_origins
+        if "*" in origins:
+            return "*"
+        return origin if origin is not None and origin in origins else None
+
+    def _preflight(self) -> Response:
+        response = Response("", status=204)
+        if self._allowed_origin() is not None:
+            response.headers["Access-Control-Allow-Methods"] = CORS_METHODS
+            response.headers["Access-Control-Allow-Headers"] = CORS_HEADERS
+            response.headers["Access-Control-Max-Age"] = str(CORS_MAX_AGE_S)
+        return response
+
+    async def after(self, response: Response) -> Response:
+        origin = self._allowed_origin()
+        if origin is not None:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Access-Control-Expose-Headers"] = "Retry-After"
+            if origin != "*":
+                response.headers.add("Vary", "Origin")
+        return response
+
+    async def http_error(self, error: HTTPException):
+        """Routing and body errors (404, 405, 408, 413) in OpenAI's shape too."""
+        message = {413: f"the request body is larger than {self.settings.max_body_bytes} bytes",
+                   404: f"nothing at {request.path}"}.get(error.code, error.description)
+        kind = "not_found_error" if error.code == 404 else "invalid_request_error"
+        code = (error.name or "error").lower().replace(" ", "_")  # e.g. request_entity_too_large
+        return error_response(ApiError(error.code, message, type=kind, code=code))
+
+    async def invalid_request(self, error: InvalidRequest):
+        return error_response(invalid(error.message, error.param))
+
+    async def server_error(self, error: Exception):
+        log.exception("unhandled error in %s %s", request.method, request.path, exc_info=error)
+        return error_response(ApiError(500, "internal error", type="server_error", code="internal_error"))
+
+    # ---- the OpenAI routes ----------------------------------------------------------
+
+    async def chat_completions(self):
+        body = parse_chat(await self._json())
+        try:
+            prompt = self.engine.render_chat([dict(m) for m in body.messages])
+        except ValueError as exc:  # the chat template refused this conversation
+            raise InvalidRequest(str(exc), "messages") from None
+        return await self._generate(Turn(True, self.engine.name, body.options, trio.current_time()),
+                                    prompt)
+
+    async def completions(self):
+        body = parse_completion(await self._json())
+        return await self._generate(Turn(False, self.engine.name, body.options, trio.current_time()),
+                                    body.prompt)
+
+    async def _json(self) -> object:
+        data = await request.get_data(cache=False)  # 413 past the limit, 408 past the timeout
+        try:
+            return json.loads(data)
+        except ValueError:  # also bad UTF-8
+            raise InvalidRequest("the request body is not valid JSON") from None
+
+    async def _generate(self, turn: Turn, prompt: str):
+        if self.closing:
+            return error_response(ApiError(503, "the server is shutting down", type="server_error",
+                                           code="shutting_down", retry_after_s=self.settings.retry_after_s))
+        slot = turn.options.cache_slot
+        if slot is not None and slot >= (slots := self.engine.statistics().slots_total):
+            raise InvalidRequest(f"'cache_slot' must be in [0, {slots - 1}]; got {slot}", "cache_slot")
+        if not turn.options.stream:
+            answer = await self.generation.answer(turn, prompt)
+            return error_response(answer) if isinstance(answer, ApiError) else answer
+        body = await self.generation.open_stream(turn, prompt)
+        if isinstance(body, ApiError):
+            return error_response(body)
+        return Response(body, content_type="text/event-stream; charset=utf-8",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def models(self):
+        return {"object": "list", "data": [shape.model_card(self.engine.name, self.created)]}
+
+    async def model(self, model_id: str):
+        if model_id != self.engine.name:
+            return error_response(ApiError(404, f"the model {model_id!r} does not exist",
+                                           param="model", code="model_not_found"))
+        return shape.model_card(self.engine.name, self.created)
+
+    # ---- motet's own routes ---------------------------------------------------------
+
+    async def health(self):
+        if self.closing:
+            return {"status": "closing", "reason": "the server is shutting down"}, 503
+        if self.engine.statistics().closing:
+            reason = "the engine is not serving (closing, or starting again)"
+            return {"status": "closing", "reason": reason}, 503
+        return {"status": "ok"}
+
+    async def experts(self):
+        state, stats = self.engine.expert_state(), self.engine.statistics()
+        report = self.generation.last_report
+        return {
+            "rows": state.rows, "cols": state.cols, "map": state.emap.hex(), "hits": state.hits.hex(),
+            "seq": state.seq, "entropy": list(state.entropy),
+            "gpus": [list(g) for g in report.gpus] if report else [],
+            "repin": [list(r) for r in report.repin] if report else [],
+            "slots_busy": stats.running, "slots_total": stats.slots_total,
+            "tokens_per_s": self.decode_rate.rate(trio.current_time()),
+        }
+
+    async def prometheus(self):
+        return Response(self.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def web(self, path: str = ""):
+        root = self.settings.web_dir
+        if request.path == "/v1" or request.path.startswith("/v1/"):  # no page fallback for the API
+            raise NotFound()
+        if not root.is_dir():
+            if request.path == "/":
+                return Response(static.missing_page(root), content_type="text/html; charset=utf-8")
+            raise NotFound()
+        found = static.resolve(root, request.scope.get("raw_path") or request.path.encode(), request.path)
+        if found is None:
+            raise NotFound()
+        return Response(await trio.Path(found).read_bytes(), content_type=static.content_type(found),
+                        headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"})
+
+
+def create_app(engine, settings: ServeSettings) -> QuartTrio:
+    """The app for `engine`; its Server is `app.extensions["motet"]`."""
+    server = Server(engine, settings)
+    app = QuartTrio("motet", static_folder=None)  # static files: our own route, checked
+    app.config.update(
+        MAX_CONTENT_LENGTH=settings.max_body_bytes,
+        BODY_TIMEOUT=settings.body_timeout_s,
+        RESPONSE_TIMEOUT=None,  # a long answer streams as long as it takes
+    )
+    app.before_request(server.before)
+    app.after_request(server.after)
+    app.register_error_handler(HTTPException, server.http_error)
+    app.register_error_handler(InvalidRequest, server.invalid_request)
+    app.register_error_handler(Exception, server.server_error)
+    routes = [
+        ("/v1/chat/completions", server.chat_completions, "POST"),
+        ("/v1/completions", server.completions, "POST"),
+        ("/v1/models", server.models, "GET"),
+        ("/v1/models/<path:model_id>", server.model, "GET"),
+        ("/health", server.health, "GET"),
+        ("/experts", server.experts, "GET"),
+        ("/metrics", server.prometheus, "GET"),
+        ("/", server.web, "GET"),
+        ("/<path:path>", server.web, "GET"),
+    ]
+    for rule, view, method in routes:
+        app.add_url_rule(rule, rule, view, methods=[method])
+    app.extensions["motet"] = server
+    return app

@@ -1,0 +1,194 @@
+"""One completion request through the engine: the answer as a JSON object or as a stream
+of server-sent events, for the chat and the legacy completions APIs alike.
+
+A request is submitted before the response starts, so a refusal (full queue, busy slot,
+prompt too long) is an HTTP status, not an event in a 200 stream. From then on leaving
+the engine's stream block cancels the request: when the client disconnects, quart-trio
+cancels the handler (non-streaming) or the body's iteration (streaming), and the
+cancellation leaves the block, which tells the engine within one of its steps.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import trio
+
+from ..runtime.api import FinishEvent, TokenEvent
+from ..runtime.errors import Cancelled, EngineError
+from . import openai_responses as shape
+from .errors import from_engine
+from .openai_schema import Options
+
+
+@dataclass
+class Turn:
+    """A request as its answer names it, and what it has produced so far."""
+
+    chat: bool
+    model: str
+    options: Options
+    started: float  # trio.current_time() when the request came in
+    ident: str = ""
+    created: int = 0
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[TokenEvent] = field(default_factory=list)  # when asked
+    last_token_at: float | None = None
+
+    def __post_init__(self):
+        self.ident = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.chat else "prompt"
+
+    @property
+    def k(self) -> int:
+        return self.options.top_logprobs
+
+    def topk(self) -> list[list[dict]]:
+        return [shape.top_candidates(e, self.k) for e in self.logprobs] if self.options.logprobs else []
+
+
+def engine_kwargs(options: Options, default_max_tokens: int) -> dict:
+    return dict(
+        max_tokens=options.max_tokens or default_max_tokens, temperature=options.temperature,
+        top_p=options.top_p, seed=options.seed, slot=options.cache_slot, stop=options.stop,
+        # a token's own logprob and text come with its candidates (a mux engine has no other)
+        top_logprobs=max(1, options.top_logprobs) if options.logprobs else 0,
+    )
+
+
+class Generation:
+    """Runs turns on the engine for one app; counts them in its metrics."""
+
+    def __init__(self, engine, metrics, decode_rate, default_max_tokens: int, retry_after_s: int):
+        self.engine = engine
+        self.metrics = metrics
+        self.decode_rate = decode_rate
+        self.default_max_tokens = default_max_tokens
+        self.retry_after_s = retry_after_s
+        self.last_report = None  # the last finished turn's TurnReport (for /experts)
+
+    # ---- bookkeeping ----------------------------------------------------------------
+
+    def _token(self, turn: Turn, event: TokenEvent) -> None:
+        now = trio.current_time()
+        if turn.last_token_at is None:
+            self.metrics.ttft.observe(now - turn.started)
+        else:
+            self.metrics.itl.observe(now - turn.last_token_at)
+        turn.last_token_at = now
+        self.decode_rate.add(now)
+        turn.texts.append(event.text)
+        if turn.options.logprobs:
+            turn.logprobs.append(event)
+
+    def _finish(self, event: FinishEvent) -> None:
+        self.metrics.observe_turn(event.stats)
+        if event.report is not None:
+            self.last_report = event.report
+
+    def _kwargs(self, turn: Turn) -> dict:
+        return engine_kwargs(turn.options, self.default_max_tokens)
+
+    def _error(self, turn: Turn, exc: EngineError):
+        return from_engine(exc, turn.prompt_param, self.retry_after_s)
+
+    # ---- non-streaming --------------------------------------------------------------
+
+    async def answer(self, turn: Turn, prompt: str):
+        """The whole answer as an OpenAI object, or an ApiError."""
+        finish = None
+        try:
+            async with self.engine.stream(prompt, **self._kwargs(turn)) as events:
+                try:
+                    async for event in events:
+                        if isinstance(event, TokenEvent):
+                            self._token(turn, event)
+                        else:
+                            finish = event
+                finally:
+                    if finish is None:  # the client left (or the engine closed) mid-turn
+                        self.metrics.requests.labels("cancelled").inc()
+        except EngineError as exc:
+            return self._error(turn, exc)
+        self._finish(finish)
+        if finish.stats.finish_reason == "cancelled":  # cancelled by someone else
+            return self._error(turn, Cancelled())
+        text, asked = "".join(turn.texts) + finish.text_tail, turn.options.logprobs
+        head = (turn.ident, turn.created, turn.model, text, finish)
+        if turn.chat:
+            logprobs = [shape.chat_logprob(e, turn.k) for e in turn.logprobs] if asked else None
+            return shape.chat_completion(*head, logprobs, turn.topk())
+        logprobs = shape.completion_logprobs(turn.logprobs, turn.k) if asked else None
+        return shape.text_completion(*head, logprobs, turn.topk())
+
+    # ---- streaming ------------------------------------------------------------------
+
+    async def open_stream(self, turn: Turn, prompt: str):
+        """Submit the request; the SSE body to send, or an ApiError when it is refused."""
+        stream = self.engine.stream(prompt, **self._kwargs(turn))
+        try:
+            events = await stream.__aenter__()
+        except EngineError as exc:
+            return self._error(turn, exc)
+        return self._frames(turn, stream, events)
+
+    async def _frames(self, turn: Turn, stream, events):
+        # The body owns the accepted request from here: however it ends (finished, the
+        # client gone, the engine closed), leaving the stream block cancels a request still
+        # in flight. A body never started (the client left between the headers and the
+        # first byte) runs no finally; then the stream block is closed when it is
+        # garbage-collected, by Trio's async-generator finalizer: a cancel all the same.
+        finish = None
+        try:
+            if turn.chat:
+                yield shape.sse(self._chunk(turn, {"role": "assistant", "content": ""}))
+            sent = 0  # characters sent (completions' logprob text offsets)
+            async for event in events:
+                if isinstance(event, TokenEvent):
+                    self._token(turn, event)
+                    if event.text or turn.options.logprobs:
+                        yield shape.sse(self._chunk(turn, event.text, (event,), sent))
+                        sent += len(event.text)
+                else:
+                    finish = event
+            self._finish(finish)
+            if finish.stats.finish_reason == "cancelled":
+                yield shape.sse(self._error(turn, Cancelled()).body())
+                return
+            if finish.text_tail:
+                yield shape.sse(self._chunk(turn, finish.text_tail))
+            yield shape.sse(self._chunk(turn, "", finish=shape.finish_reason(finish.stats)))
+            obj = "chat.completion.chunk" if turn.chat else "text_completion"
+            if turn.options.include_usage:
+                yield shape.sse(shape.usage_chunk(turn.ident, obj, turn.created, turn.model, finish.stats))
+            yield shape.sse(shape.colibri_chunk(turn.ident, obj, turn.created, turn.model,
+                                                shape.colibri(finish, turn.topk())))
+            yield shape.SSE_DONE
+        except EngineError as exc:  # the engine closed under the stream: say so, in-band
+            yield shape.sse(self._error(turn, exc).body())
+        finally:
+            if finish is None:  # the client left (or the engine closed) mid-turn
+                self.metrics.requests.labels("cancelled").inc()
+            await stream.__aexit__(None, None, None)
+
+    def _chunk(self, turn: Turn, content: str | dict, events: tuple[TokenEvent, ...] = (),
+               sent: int = 0, finish: str | None = None) -> dict:
+        """One stream chunk: a delta (chat) or a text (completions), the logprobs of
+        `events` when asked, a finish reason on the last one."""
+        usage = turn.options.include_usage
+        logprobs = bool(events) and turn.options.logprobs
+        if turn.chat:
+            delta = content if isinstance(content, dict) else ({"content": content} if finish is None else {})
+            lp = [shape.chat_logprob(e, turn.k) for e in events] if logprobs else None
+            return shape.chat_chunk(turn.ident, turn.created, turn.model, delta, finish=finish,
+                                    logprobs=lp, with_usage=usage)
+        lp = shape.completion_logprobs(list(events), turn.k, sent) if logprobs else None
+        return shape.completion_chunk(turn.ident, turn.created, turn.model, content, finish=finish,
+                                      logprobs=lp, with_usage=usage)
+

@@ -1,0 +1,208 @@
+"""OpenAI request bodies → frozen requests, validated field by field. Pure: no I/O.
+
+A bad field raises InvalidRequest naming it (`param`, e.g. `messages[0].content`), which
+the app answers with a 400 in OpenAI's error shape. Fields OpenAI clients send that do
+not change the answer (`user`, `metadata`, ...) are ignored; fields that would change it
+and that motet cannot honour (`n` > 1, nonzero penalties, `echo`) are refused rather than
+silently dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_STOPS = 4
+MAX_TOP_LOGPROBS = 5
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class InvalidRequest(Exception):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Options:
+    """What both endpoints accept besides the prompt."""
+
+    max_tokens: int | None = None  # None: the server's default
+    temperature: float = 1.0  # OpenAI's default
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: bool = False  # report each token's logprob
+    top_logprobs: int = 0  # and this many top candidates per token
+    stream: bool = False
+    include_usage: bool = False  # streaming: a usage chunk before [DONE]
+    cache_slot: int | None = None  # pin the request to this KV slot
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str
+    messages: tuple[dict[str, str], ...]  # {"role", "content"}, content flattened to text
+    options: Options
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    model: str
+    prompt: str
+    options: Options
+
+
+def parse_chat(body: object) -> ChatRequest:
+    body = _object(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty array of messages", "messages")
+    parsed = tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages))
+    logprobs = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+    if top and not logprobs:
+        raise InvalidRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    max_tokens = _int(body, "max_completion_tokens", 1, None)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1, None)
+    return ChatRequest(_model(body), parsed, _options(body, max_tokens, logprobs, top))
+
+
+def parse_completion(body: object) -> CompletionRequest:
+    body = _object(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise InvalidRequest("'prompt' must be a string (or an array of one string)", "prompt")
+    if body.get("echo") not in (None, False):
+        raise InvalidRequest("'echo' is not supported", "echo")
+    if body.get("best_of") not in (None, 1):
+        raise InvalidRequest("only 'best_of': 1 is supported", "best_of")
+    if body.get("suffix") not in (None, ""):
+        raise InvalidRequest("'suffix' is not supported", "suffix")
+    top = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)  # completions: an integer, or null
+    max_tokens = _int(body, "max_tokens", 1, None)
+    return CompletionRequest(_model(body), prompt, _options(body, max_tokens, top is not None, top or 0))
+
+
+# ---- the fields ---------------------------------------------------------------------
+
+
+def _object(body: object) -> dict:
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    return body
+
+
+def _model(body: dict) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' must be a non-empty string", "model")
+    return model  # any name is accepted; answers carry the served model's name
+
+
+def _message(message: object, where: str) -> dict[str, str]:
+    if not isinstance(message, dict):
+        raise InvalidRequest(f"'{where}' must be an object with 'role' and 'content'", where)
+    role = message.get("role")
+    if role not in ROLES:
+        raise InvalidRequest(
+            f"'{where}.role' must be one of {', '.join(ROLES)}; got {role!r}", f"{where}.role"
+        )
+    return {"role": ROLES[role], "content": _content(message.get("content"), f"{where}.content")}
+
+
+def _content(content: object, where: str) -> str:
+    """A string, or a list of text parts (joined by newlines, as vLLM joins them)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            is_dict = isinstance(part, dict)
+            if not (is_dict and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if is_dict else type(part).__name__
+                raise InvalidRequest(
+                    f"'{where}[{i}]' must be a text part {{\"type\": \"text\", \"text\": ...}}; "
+                    f"got {kind!r} (only text is supported)", where,
+                )
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise InvalidRequest(f"'{where}' must be a string or an array of text parts", where)
+
+
+def _options(body: dict, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> Options:
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise InvalidRequest(f"only 'n': 1 is supported; got {n!r}", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _number(body, name, -2.0, 2.0)
+        if value:
+            raise InvalidRequest(f"'{name}' is not supported (only 0)", name)
+    stream = _bool(body, "stream")
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise InvalidRequest("'stream_options' must be an object", "stream_options")
+    include_usage = _bool(stream_options or {}, "include_usage", "stream_options.include_usage")
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    top_p = _number(body, "top_p", 0.0, 1.0)
+    if top_p is not None and top_p == 0.0:
+        raise InvalidRequest("'top_p' must be in (0, 1]", "top_p")
+    return Options(
+        max_tokens=max_tokens,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        stop=_stop(body.get("stop")),
+        seed=_int(body, "seed", 0, (1 << 63) - 1),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        stream=stream,
+        include_usage=stream and include_usage,
+        cache_slot=_int(body, "cache_slot", 0, None),
+    )
+
+
+def _stop(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if (not isinstance(stops, list) or len(stops) > MAX_STOPS
+            or not all(isinstance(s, str) and s for s in stops)):
+        raise InvalidRequest(
+            f"'stop' must be a non-empty string or an array of up to {MAX_STOPS} of them", "stop"
+        )
+    return tuple(stops)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(body: dict, name: str, lo: int, hi: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value) or value < lo or (hi is not None and value > hi):
+        bounds = f"in [{lo}, {hi}]" if hi is not None else f"at least {lo}"
+        raise InvalidRequest(f"'{name}' must be an integer {bounds}; got {value!r}", name)
+    return value
+
+
+def _number(body: dict, name: str, lo: float, hi: float) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool) or not lo <= value <= hi:
+        raise InvalidRequest(f"'{name}' must be a number in [{lo:g}, {hi:g}]; got {value!r}", name)
+    return float(value)
+
+
+def _bool(body: dict, name: str, param: str | None = None) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"'{param or name}' must be true or false; got {value!r}", param or name)
+    return value

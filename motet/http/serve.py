@@ -1,0 +1,143 @@
+"""`motet serve`: the app on Hypercorn's Trio worker, the engine in the same Trio loop.
+
+    serve_app(engine, settings)  serves until its shutdown trigger returns or its scope is
+                                 cancelled; started with `nursery.start`, it reports the
+                                 URLs it bound (port 0 picks a free one)
+    run(settings, model)         the command: open the engine, serve until SIGINT/SIGTERM
+
+Shutdown: the first SIGINT or SIGTERM stops accepting connections, answers new requests
+503, and gives streams in flight `shutdown_grace_s` to finish; then the engine drains.
+A second signal aborts at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from contextlib import asynccontextmanager
+from functools import partial
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve as hypercorn_serve
+
+from .app import create_app
+from .restart import RestartingEngine
+from .settings import ServeSettings
+
+
+def hypercorn_config(settings: ServeSettings) -> Config:
+    config = Config()
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    config.bind = [f"{host}:{settings.port}"]
+    # A connection idle this long before its request's headers are complete is closed
+    # (Hypercorn keeps its idle timer running until the headers are in), and the headers
+    # may not exceed max_header_bytes. Hypercorn's `read_timeout` is left unset: it bounds
+    # every socket read, also while a long answer streams and the client rightly sends
+    # nothing. A slow body is bounded by the app's BODY_TIMEOUT instead.
+    config.keep_alive_timeout = settings.header_timeout_s
+    config.h11_max_incomplete_size = settings.max_header_bytes
+    config.graceful_timeout = settings.shutdown_grace_s
+    config.accesslog = None
+    # Hypercorn's errors through logging, formatted and filtered as the rest of motet's
+    # (a name, not "-", so it adds no stderr handler of its own)
+    config.errorlog = logging.getLogger("hypercorn.error")
+    return config
+
+
+async def serve_app(engine, settings: ServeSettings, *, shutdown_trigger=None,
+                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve `engine` over HTTP until `shutdown_trigger()` returns (never when None: until
+    the caller's scope is cancelled). `task_status.started` gets the bound URLs."""
+    app = create_app(engine, settings)
+    server = app.extensions["motet"]
+
+    async def closing():
+        await shutdown_trigger()
+        server.closing = True  # requests still arriving on open connections get a 503
+
+    await hypercorn_serve(app, hypercorn_config(settings), task_status=task_status,
+                          shutdown_trigger=closing if shutdown_trigger is not None else None)
+
+
+async def wait_for_signal() -> None:
+    """Returns at the first SIGINT or SIGTERM; the next one interrupts as usual."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            return
+
+
+@asynccontextmanager
+async def open_engine(settings: ServeSettings, model):
+    """The in-process Engine around `model`, or `engine_cmd` driven through a MuxEngine
+    that is started again whenever the child exits."""
+    if settings.engine_cmd is None:
+        from ..engine import Engine
+
+        async with Engine(model, kv_slots=settings.kv_slots, max_context=settings.max_context,
+                          queue_limit=settings.queue_limit) as engine:
+            yield engine
+        return
+    from ..mux_engine import MuxEngine
+
+    env = {"CTX": str(settings.max_context)}
+    if settings.model_path is not None:
+        env["SNAP"] = str(settings.model_path)
+    mux = partial(MuxEngine, settings.engine_cmd, env=env, kv_slots=settings.kv_slots,
+                  chat_model=settings.model_path, queue_limit=settings.queue_limit)
+    engine = RestartingEngine(mux, kv_slots=settings.kv_slots)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            try:
+                yield engine
+            finally:
+                engine.close()  # the child drains and exits; run() returns
+    except BaseExceptionGroup as group:  # one error (a child that cannot start): itself
+        raise sole(group) from None
+
+
+def banner(url: str, model: str, with_key: bool) -> str:
+    """What `motet serve` prints once it listens: where, and how to call it."""
+    auth = " -H \"Authorization: Bearer $MOTET_API_KEY\"" if with_key else ""
+    key = "os.environ['MOTET_API_KEY']" if with_key else "'none'"
+    body = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+    return (
+        f"motet: serving {model} at {url} (web page: {url}/, metrics: {url}/metrics)\n"
+        f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n"
+        f"  python -c \"import os; from openai import OpenAI; "
+        f"c = OpenAI(base_url='{url}/v1', api_key={key}); "
+        f"print(c.chat.completions.create(model='{model}', "
+        f"messages=[{{'role': 'user', 'content': 'Hello!'}}]).choices[0].message.content)\"\n"
+    )
+
+
+def run(settings: ServeSettings, model=None) -> int:
+    """`motet serve`: `model` is a loaded Model (None with `engine_cmd`)."""
+
+    async def main():
+        async with open_engine(settings, model) as engine:
+            async with trio.open_nursery() as nursery:
+                urls = await nursery.start(partial(serve_app, engine, settings,
+                                                   shutdown_trigger=wait_for_signal))
+                for url in urls:
+                    sys.stderr.write(banner(url, engine.name, settings.api_key is not None))
+                sys.stderr.flush()
+
+    try:
+        try:
+            trio.run(main)
+        except BaseExceptionGroup as group:  # one error (Ctrl+C, a taken port): itself
+            raise sole(group) from None
+    except OSError as exc:  # the port is taken, the address is not ours, no such command
+        sys.stderr.write(f"motet: error: {exc}\n")
+        return 2
+    return 0
+
+
+def sole(group: BaseExceptionGroup) -> BaseException:
+    """The one exception inside nested groups of one; the group when there are more."""
+    while isinstance(group, BaseExceptionGroup) and len(group.exceptions) == 1:
+        group = group.exceptions[0]
+    return group

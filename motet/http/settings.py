@@ -1,0 +1,62 @@
+"""ServeSettings: everything `motet serve` needs, built once from the command line (the
+only place that reads the environment) and passed down; validated here, once."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+import motet
+
+DEFAULT_WEB_DIR = Path(motet.__file__).resolve().parent.parent / "web"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve to anything
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    kv_slots: int = 16
+    max_context: int = 4096
+    queue_limit: int = 64  # requests waiting for a slot; past it, 429
+    api_key: str | None = None
+    allow_insecure_bind: bool = False
+    cors_origins: tuple[str, ...] = ()  # exact origins; "*" only when given
+    max_body_bytes: int = 1 << 20  # past it, 413
+    body_timeout_s: float = 30.0  # a request body not read in full by then: 408
+    header_timeout_s: float = 10.0  # a connection idle before its headers are complete
+    max_header_bytes: int = 16 << 10
+    shutdown_grace_s: float = 10.0  # streams in flight may finish within this on shutdown
+    default_max_tokens: int = 4096  # when a request gives none; the context ends a turn too
+    retry_after_s: int = 1  # the Retry-After of 429/409/503 answers
+    web_dir: Path = DEFAULT_WEB_DIR
+    engine_cmd: str | None = None  # a mux engine command line; None: the in-process Engine
+    model_path: Path | None = None  # with engine_cmd: the child's model (SNAP), and the chat
+    # template rendered here; None: the default model
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.kv_slots < 1:
+            raise ValueError(f"kv_slots must be at least 1, got {self.kv_slots}")
+        if self.queue_limit < 0:
+            raise ValueError(f"queue_limit must be >= 0, got {self.queue_limit}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be at least 1, got {self.max_body_bytes}")
+        if self.api_key == "":
+            raise ValueError("the API key is empty")
+        if self.api_key is None and not self.allow_insecure_bind and not is_loopback(self.host):
+            raise ValueError(
+                f"refusing to serve on {self.host} without an API key: anyone who can reach "
+                "it could use the model. Give --api-key (or MOTET_API_KEY), bind 127.0.0.1, "
+                "or pass --allow-insecure-bind"
+            )

@@ -1,0 +1,519 @@
+"""MuxEngine: the Engine API over any mux engine, run as a child process.
+
+    async with MuxEngine(["motet", "mux"], env={"SNAP": "model.gguf"}, kv_slots=4) as engine:
+        async with engine.stream("Once upon a time", max_tokens=32) as events:
+            async for event in events:
+                ...
+
+One reader task demultiplexes the child's stdout into per-request channels; one writer
+task owns its stdin. The wire has no "any slot", so slots are chosen here, as Engine's
+scheduler chooses them but on text; with every slot busy a request waits here (FIFO).
+
+What the wire imposes: prompts are text (token ids are a BadRequest); `seed` is ignored
+(SUBMIT has none); token ids are None, logprobs come only with `top_logprobs` (from TOPK
+lines); stop strings are matched here, then STOP ends the request; a request that waited
+for a slot meets a refusal (ContextExceeded, ...) at its first event, not at entry.
+"""
+
+from __future__ import annotations
+
+import codecs
+import itertools
+import logging
+import os
+import shlex
+import subprocess
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+
+import trio
+
+from .actors.policy import SlotView, StopMatcher, choose_slot
+from .model.errors import ModelError
+from .protocol import mux
+from .runtime.actor import open_stream
+from .runtime.api import (Completion, EngineStatistics, ExpertState, FinishEvent, GenerationRequest,
+                          Perf, TokenEvent, TopCandidate, TurnReport, TurnStats)
+from .runtime.errors import (BadRequest, Cancelled, ContextExceeded, DuplicateId, EmptyPrompt,
+                             EngineClosed, EngineError, NotFound, QueueFull, SlotBusy)
+
+log = logging.getLogger(__name__)
+READ_SIZE = 65536
+CHILD_ENV = {"SERVE": "1", "SERVE_BATCH": "1", "SERVE_TOPK": "1"}
+EXIT_GRACE_S = 10.0  # once its stdin is closed, how long the child has to exit
+
+
+class EngineStartError(ModelError):
+    """The mux engine did not start: it wrote LOAD_FAIL, or exited before READY."""
+
+    def __init__(self, message: str, status: int, kind: str | None = None):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+class EngineExited(EngineClosed):
+    """The child's output ended (it exited, or died) while requests were open."""
+
+    def __init__(self, status: int | None):
+        Exception.__init__(self, f"the mux engine exited with status {status}")
+        self.status = status
+
+
+ERRORS = {  # ERROR <id> <CODE> [args] → the Engine's typed error
+    "SLOT_BUSY": lambda e, slot: SlotBusy(slot),
+    "DUPLICATE_ID": lambda e, slot: DuplicateId(e.request_id),
+    "EMPTY_PROMPT": lambda e, slot: EmptyPrompt(),
+    "CONTEXT_EXCEEDED": lambda e, slot: ContextExceeded(int(e.args[0]), int(e.args[1])),
+}
+
+
+def engine_error(error: mux.Error, slot: int | None) -> EngineError:
+    try:
+        return ERRORS[error.code](error, slot)
+    except (KeyError, IndexError, ValueError):  # BAD_REQUEST, BAD_FRAME, codes to come
+        return BadRequest(f"request {error.request_id}: {' '.join((error.code, *error.args))}")
+
+
+async def _kill(process: trio.Process) -> None:
+    process.kill()  # leaving on an error: no grace
+
+
+class MuxStream:
+    """A request's events, as Engine's EventStream yields them. The reader task routes
+    the request's frames here and notes what the wire says of it (slot, TURN, PERF...);
+    iterating turns the frames into TokenEvents and a FinishEvent."""
+
+    def __init__(self, engine: MuxEngine, rid: int, prompt: str, request: GenerationRequest):
+        self.request_id, self.prompt, self.request = rid, prompt, request
+        self.finish: FinishEvent | None = None
+        self.send, self._receive = open_stream()  # frames, or an EngineClosed at the end
+        self.slot: int | None = None  # None while it waits here for a slot
+        self.sent_at = self.ended_at = 0.0
+        self.first_at: float | None = None
+        self.answer = bytearray()  # all its text, for the slot's history
+        self.turn: mux.Turn | None = None
+        self.perf: Perf | None = None
+        self.entropy_gpus: tuple = ((), ())  # the ENTROPY and GPUS lines of its turn
+        self.repin: list[tuple[int, ...]] = []
+        self.ended = trio.Event()  # its last frame has come
+        self._engine = engine
+        self._ready: deque[TokenEvent | FinishEvent] = deque()
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._stops = StopMatcher(request.stop)
+        self._held: str | None = None  # a DATA's text waiting for its TOPK
+        self._stopped = False  # a stop string matched: later frames are dropped
+        self._emitted = 0
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenEvent | FinishEvent:
+        if self.finish is not None:
+            raise StopAsyncIteration
+        await self._fill()
+        event = self._ready.popleft()
+        if isinstance(event, FinishEvent):
+            self.finish = event
+        return event
+
+    async def _fill(self) -> None:
+        """Read frames until an event is ready; a refusal or a dead child raises here."""
+        while not self._ready:
+            try:
+                frame = await self._receive.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                raise self._engine._closed_error() from None
+            if isinstance(frame, EngineError):
+                raise frame
+            if self._take(frame):  # a stop string matched: the child ends it through DONE
+                self._engine._send(mux.encode_stop(self.request_id), quiet=True)
+
+    def _take(self, frame) -> bool:
+        """Turn one frame into events; True when a stop string has just matched."""
+        topk = self._engine.topk
+        match frame:
+            case mux.Data() | mux.TopK() if self._stopped:
+                pass
+            case mux.Data(_, data) if topk:
+                # A token ends with its TOPK; a DATA that got none is a token at the next one.
+                stopped = self._held is not None and self._token(self._held)
+                self._held = None if stopped else self._utf8.decode(data)
+                return stopped
+            case mux.Data(_, data):
+                return self._token(self._utf8.decode(data))
+            case mux.TopK(_, candidates) if topk:
+                text, self._held = self._held or "", None
+                return self._token(text, candidates)
+            case mux.Done() | mux.Error(code="CANCELLED"):
+                self._ready.append(self._finish(frame))
+            case mux.Error():
+                raise engine_error(frame, self.slot)
+        return False
+
+    def _token(self, text: str, candidates=()) -> bool:
+        n, logprob, top = self.request.top_logprobs, None, ()
+        if n and candidates:
+            cands = [TopCandidate(None, raw.decode("utf-8", "replace"), lp) for lp, raw in candidates]
+            top = tuple(cands[:n])
+            logprob = next((c.logprob for c in cands if c.text == text), None)
+        out, self._stopped = self._stops.push(text)
+        self._emitted += 1
+        self._ready.append(TokenEvent(self.request_id, out, None, logprob, top))
+        return self._stopped
+
+    def _finish(self, frame: mux.Done | mux.Error) -> FinishEvent:
+        done, tail, turn = frame if isinstance(frame, mux.Done) else None, "", self.turn
+        if done and not self._stopped:
+            # What came after the last token (a partial character, text the child held
+            # back) is the tail, as the in-process Engine releases it.
+            tail, matched = self._stops.push(self._utf8.decode(b"", final=True) + (self._held or ""))
+            tail += "" if matched else self._stops.flush()
+        reason = ("stop" if self._stopped else "cancelled" if done is None
+                  else "length" if done.length_limited else "stop")
+        start = self.sent_at or self.ended_at  # one cancelled while it waited was never sent
+        stats = TurnStats(
+            self.request_id, turn.slot if turn else -1 if self.slot is None else self.slot, reason,
+            done.prompt_tokens if done else 0, turn.reused_tokens if turn else 0,
+            # After a stop string the child ran on until STOP reached it: count what we kept.
+            done.emitted if done and not self._stopped else self._emitted,
+            turn.ttft_s if turn else (self.first_at or self.ended_at) - start,
+            done.tokens_per_s if done else 0.0, self.ended_at - start,
+        )
+        if done is None:
+            return FinishEvent(stats)
+        report = TurnReport(self.perf or Perf(dt=stats.total_s), *self.entropy_gpus, tuple(self.repin))
+        return FinishEvent(stats, tail, None, report)
+
+
+class MuxEngine:
+    """`command` (a string is split as a shell would) runs with `env` over the caller's
+    environment and SERVE=1 SERVE_BATCH=1 SERVE_TOPK=1 KV_SLOTS=kv_slots. `chat_model`:
+    whose chat template render_chat uses (default: SNAP, else the default model)."""
+
+    def __init__(self, command: Sequence[str] | str, *, env: Mapping[str, str] | None = None,
+                 kv_slots: int = 1, chat_model: str | Path | None = None, queue_limit: int = 64):
+        self.command = shlex.split(command) if isinstance(command, str) else list(command)
+        self.env = {**os.environ, **CHILD_ENV, "KV_SLOTS": str(kv_slots), **(env or {})}
+        self.kv_slots = int(self.env["KV_SLOTS"])
+        self.queue_limit = queue_limit
+        self.topk = self.env.get("SERVE_TOPK") == "1"  # then every token ends with a TOPK line
+        self._chat_model = chat_model if chat_model is not None else self.env.get("SNAP") or None
+        self._render = None
+        # Per slot: its last turn's prompt and answer as text, and when it was last used.
+        self._slots: list[tuple[str, int]] = [("", 0)] * self.kv_slots
+        self._clock = itertools.count(1)
+        self._streams: dict[int, MuxStream] = {}  # every request open here, by id
+        self._queue: deque[MuxStream] = deque()  # those waiting for a slot
+        self._probes: dict[int, list[trio.Event]] = {}  # CANCEL/STOP of ids unknown here
+        self._ids = itertools.count(1)
+        self._experts = ExpertState(0, 0, b"", b"", 0, ())
+        self._gpus: tuple[tuple[float, float, int], ...] = ()
+        self.process: trio.Process | None = None  # the child, once started
+        self._closing = self._eof = False  # eof: the child's stdout ended
+        self._exit_status: int | None = None
+        self._exited = trio.Event()  # the reader is done: nothing more comes from the child
+
+    # ---- life cycle -----------------------------------------------------------------
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Start the child and wait for its READY; EngineStartError if it never comes."""
+        self.process = await nursery.start(partial(
+            trio.run_process, self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env=self.env, check=False, deliver_cancel=_kill,
+        ))
+        decoder = mux.ExtendedResponseDecoder()
+        while data := await self.process.stdout.receive_some(READ_SIZE):
+            events = decoder.feed(data)
+            if fail := next((e for e in events if isinstance(e, mux.LoadFail)), None):
+                status = await self.process.wait()
+                raise EngineStartError(f"the mux engine could not load its model ({fail.kind}): "
+                                       f"{fail.detail} (exit status {status})", status, fail.kind)
+            if mux.Ready() in events:
+                break
+        else:
+            status = await self.process.wait()
+            raise EngineStartError(f"{shlex.join(self.command)} exited with status {status} before READY",
+                                   status)
+        # Unbounded, yet bounded in fact: each request adds a SUBMIT and a CANCEL or STOP
+        # or two, and each cancel() or stop() waits for its answer before it sends again.
+        self._out, frames = trio.open_memory_channel(float("inf"))
+        nursery.start_soon(self._writer, frames)
+        nursery.start_soon(self._reader, decoder)
+        for event in events[events.index(mux.Ready()) + 1 :]:
+            self._on_event(event)
+        self._nursery = nursery
+
+    async def __aenter__(self) -> MuxEngine:
+        self._nursery_cm = trio.open_nursery()
+        nursery = await self._nursery_cm.__aenter__()
+        try:
+            await self.start(nursery)
+        except BaseException as exc:
+            nursery.cancel_scope.cancel()
+            try:
+                await self._nursery_cm.__aexit__(type(exc), exc, exc.__traceback__)
+            except BaseExceptionGroup as group:
+                if group.exceptions != (exc,):
+                    raise
+            raise  # the start error itself, not a group
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb):
+        try:
+            if exc is None:
+                await self.aclose()
+            self._nursery.cancel_scope.cancel()  # kills the child if it is still there
+            return await self._nursery_cm.__aexit__(exc_type, exc, tb)
+        except BaseExceptionGroup as group:
+            if exc is not None and group.exceptions == (exc,):
+                return False  # the caller's own exception, unwrapped from the nursery's group
+            raise
+        finally:
+            self._closing = True
+
+    async def drain(self) -> None:
+        """Refuse new requests and wait until every request in flight has finished."""
+        self._closing = True
+        for stream in list(self._streams.values()):
+            await stream.ended.wait()
+
+    async def aclose(self) -> None:
+        """Drain, then close the child's stdin (its cue to exit) and give it time to exit."""
+        await self.drain()
+        self._out.close()  # the writer sends what is queued, then closes stdin
+        with trio.move_on_after(EXIT_GRACE_S):
+            await self._exited.wait()
+
+    def _closed_error(self) -> EngineClosed:
+        return EngineExited(self._exit_status) if self._eof else EngineClosed()
+
+    # ---- the child's stdin and stdout ---------------------------------------------------
+
+    async def _writer(self, frames: trio.MemoryReceiveChannel):
+        async with frames, self.process.stdin as stdin:
+            async for frame in frames:
+                try:
+                    await stdin.send_all(frame)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return  # the child is gone; the reader tells whoever waits
+
+    def _send(self, frame: bytes, quiet: bool = False) -> None:
+        """Queue a frame for the child; frames reach it in the order they are sent."""
+        try:
+            self._out.send_nowait(frame)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            if not quiet:
+                raise self._closed_error() from None
+
+    async def _reader(self, decoder):
+        try:
+            while data := await self.process.stdout.receive_some(READ_SIZE):
+                for event in decoder.feed(data):
+                    self._on_event(event)
+            self._eof = True
+            with trio.move_on_after(EXIT_GRACE_S):
+                self._exit_status = await self.process.wait()
+        finally:  # however it ended, all that waits on the child fails now
+            self._exited.set()
+            self._queue.clear()
+            for stream in list(self._streams.values()):
+                self._end(stream, self._closed_error())
+            for waiter in itertools.chain(*self._probes.values()):
+                waiter.set()
+            self._out.close()
+
+    def _on_event(self, event) -> None:
+        # Data, TopK, Turn, Done and Error name a request; the rest do not.
+        stream = self._streams.get(getattr(event, "request_id", 0))
+        match event:
+            case mux.Data() | mux.TopK() if stream is not None:
+                stream.first_at = stream.first_at or time.perf_counter()
+                stream.answer += event.data if isinstance(event, mux.Data) else b""
+                self._route(stream, event)
+            case mux.Turn() if stream is not None:
+                stream.turn = event
+            case mux.Error(code="NOT_FOUND") if self._probes.get(event.request_id):
+                self._probes[event.request_id].pop(0).set()
+            case mux.Error(code="NOT_FOUND"):
+                pass  # a STOP or CANCEL that crossed its request's end: a SUBMIT never gets it
+            case mux.Done() | mux.Error() if stream is not None:
+                self._end(stream, event)
+            case mux.Telemetry(kind, fields):
+                try:
+                    self._on_telemetry(kind, fields)
+                except (ValueError, IndexError) as exc:
+                    log.warning("mux engine: unreadable %s line: %s", kind, exc)
+            case mux.BadLine(line, reason):
+                log.warning("mux engine: skipped a bad line (%s): %r", reason, line[:200])
+            case _:
+                log.debug("mux engine: %r for no open request", event)
+
+    def _on_telemetry(self, kind: str, fields: tuple[str, ...]) -> None:
+        x = self._experts
+        if kind == "PERF" and (stream := self._streams.get(int(fields[0]))) is not None:
+            stream.perf = Perf(*map(float, fields[1:8]))
+        elif kind == "ENTROPY":
+            self._experts = ExpertState(x.rows, x.cols, x.emap, x.hits, x.seq, tuple(map(float, fields)))
+        elif kind == "GPUS":
+            self._gpus = tuple((float(fields[i]), float(fields[i + 1]), int(fields[i + 2]))
+                               for i in range(1, 1 + 3 * int(fields[0]), 3))
+        elif kind == "REPIN":
+            for stream in (s for s in self._streams.values() if s.slot is not None):
+                stream.repin.append(tuple(map(int, fields[:4])))
+        elif kind in ("EMAP", "HITS"):
+            rows, cols, bits = int(fields[0]), int(fields[1]), bytes.fromhex(fields[2])
+            self._experts = (ExpertState(rows, cols, bits, x.hits, x.seq, x.entropy) if kind == "EMAP"
+                             else ExpertState(rows, cols, x.emap, bits, x.seq + 1, x.entropy))
+
+    def _route(self, stream: MuxStream, item) -> None:
+        try:
+            stream.send.send_nowait(item)  # unbounded: a request's frames are bounded by max_tokens
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # its caller left; a CANCEL is on its way
+
+    def _end(self, stream: MuxStream, final) -> None:
+        """A request's last frame (or a failure): free its slot, submit who waited for one."""
+        del self._streams[stream.request_id]
+        stream.ended_at = time.perf_counter()
+        stream.entropy_gpus = (self._experts.entropy, self._gpus)
+        # A finished or cancelled turn leaves its KV in the slot; a refused one leaves none.
+        cancelled = isinstance(final, mux.Error) and final.code == "CANCELLED" and stream.slot is not None
+        if isinstance(final, mux.Done) or cancelled:
+            history = stream.prompt + stream.answer.decode("utf-8", "replace")
+            self._slots[stream.slot] = (history, next(self._clock))
+        self._route(stream, final)
+        stream.send.close()
+        stream.ended.set()
+        while self._queue and (slot := self._pick_slot(self._queue[0].prompt)) is not None:
+            self._submit(self._queue.popleft(), slot, quiet=True)  # a dead child: the reader tells
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def _pick_slot(self, prompt: str) -> int | None:
+        busy = {s.slot for s in self._streams.values()}
+        # The policy compares any sequences: here the histories are texts, not token ids.
+        return choose_slot([SlotView(i, i in busy, *s) for i, s in enumerate(self._slots)], prompt)
+
+    def _submit(self, stream: MuxStream, slot: int, quiet: bool = False) -> None:
+        r = stream.request
+        submit = mux.Submit(stream.request_id, slot, r.max_tokens, r.temperature, r.top_p, stream.prompt.encode())
+        self._send(mux.encode_submit(submit), quiet)
+        stream.slot, stream.sent_at = slot, time.perf_counter()
+
+    def _cancel(self, stream: MuxStream) -> None:
+        if stream.slot is not None:
+            self._send(mux.encode_cancel(stream.request_id), quiet=True)
+        else:  # the child never got it: it ends here
+            self._queue.remove(stream)
+            self._end(stream, mux.Error(stream.request_id, "CANCELLED"))
+
+    @asynccontextmanager
+    async def stream(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0,
+                     top_p: float = 1.0, seed: int | None = None, slot: int | None = None,
+                     stop=(), top_logprobs: int = 0, request_id: int | None = None):
+        """As Engine.stream; `seed` is ignored (the mux protocol carries none)."""
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        request = GenerationRequest(
+            prompt=prompt if isinstance(prompt, str) else tuple(prompt), max_tokens=max_tokens,
+            temperature=temperature, top_p=top_p, seed=seed, slot=slot, stop=stop,
+            top_logprobs=top_logprobs, request_id=request_id,
+        )
+        if not prompt:
+            raise EmptyPrompt()
+        if not isinstance(prompt, str):
+            raise BadRequest("a mux engine takes text prompts, not token ids")
+        if slot is not None and not 0 <= slot < self.kv_slots:
+            raise BadRequest(f"slot must be in [0, {self.kv_slots - 1}], got {slot}")
+        if self.process is None or self._closing:
+            raise EngineClosed()
+        if self._exited.is_set():
+            raise self._closed_error()
+        rid = request_id if request_id is not None else next(i for i in self._ids if i not in self._streams)
+        if rid in self._streams:
+            raise DuplicateId(rid)
+        if rid >= 1 << 64:
+            raise BadRequest(f"request ids are u64, got {rid}")
+        slot = slot if slot is not None else self._pick_slot(prompt)
+        if slot is None and len(self._queue) >= self.queue_limit:
+            raise QueueFull(self.queue_limit)
+        events = MuxStream(self, rid, prompt, request)
+        if slot is None:
+            self._queue.append(events)  # accepted, as in Engine: it runs when a slot frees
+        else:
+            self._submit(events, slot)
+        self._streams[rid] = events
+        try:
+            if slot is not None:
+                await events._fill()  # the child's first answer: a refusal raises here
+            yield events
+        finally:
+            events._receive.close()
+            if not events.ended.is_set():  # left early (a break, a cancel): cancel it
+                self._cancel(events)
+
+    async def complete(self, prompt, **kwargs) -> Completion:
+        """The same as stream(), collected. A request cancelled meanwhile raises Cancelled."""
+        async with self.stream(prompt, **kwargs) as events:
+            tokens = [e async for e in events if isinstance(e, TokenEvent)]
+        if events.finish.stats.finish_reason == "cancelled":
+            raise Cancelled(events.request_id)
+        text = "".join(t.text for t in tokens) + events.finish.text_tail
+        return Completion(text, (), events.finish.stats, tuple(tokens))  # no ids on the wire
+
+    def render_chat(self, messages: list[dict]) -> str:
+        if self._render is None:  # read on first use: the tokenizer file only, no weights
+            from .model.loader import load_chat
+
+            self._render = load_chat(self._chat_model)[1]
+        return self._render(messages)
+
+    @property
+    def name(self) -> str:
+        """As Model.name, of chat_model (else SNAP, else the default model): the file's
+        stem, or the directory's name."""
+        from .model.loader import DEFAULT_MODEL_FILE
+
+        path = Path(self._chat_model or DEFAULT_MODEL_FILE)
+        return path.stem if path.suffix == ".gguf" or path.is_file() else path.name
+
+    def statistics(self) -> EngineStatistics:
+        """Requests running and waiting now, as this client sees them (a snapshot)."""
+        running = sum(s.slot is not None for s in self._streams.values())
+        closing = self._closing or self._exited.is_set()
+        return EngineStatistics(running, len(self._queue), self.kv_slots, closing)
+
+    async def chat(self, messages: list[dict], **kwargs) -> Completion:
+        return await self.complete(self.render_chat(messages), **kwargs)
+
+    def stream_chat(self, messages: list[dict], **kwargs):
+        return self.stream(self.render_chat(messages), **kwargs)
+
+    async def cancel(self, request_id: int) -> None:
+        """Cancel a request; returns once it has ended. NotFound when none has this id."""
+        stream = self._streams.get(request_id) or await self._not_found(request_id, mux.encode_cancel)
+        self._cancel(stream)
+        await stream.ended.wait()
+
+    async def stop(self, request_id: int) -> None:
+        """End a request now through its normal finish; NotFound when none has this id."""
+        stream = self._streams.get(request_id) or await self._not_found(request_id, mux.encode_stop)
+        if stream.slot is None:
+            raise NotFound(request_id)  # waiting here, not running: as in Engine
+        self._send(mux.encode_stop(request_id))
+        await stream.ended.wait()
+
+    async def _not_found(self, rid: int, encode):
+        """An id unknown here: ask the child all the same, and raise its NOT_FOUND."""
+        answer = trio.Event()
+        self._probes.setdefault(rid, []).append(answer)
+        self._send(encode(rid))
+        await answer.wait()
+        raise self._closed_error() if self._exited.is_set() else NotFound(rid)
+
+    def expert_state(self) -> ExpertState:
+        """The latest EMAP, HITS (seq counts them) and ENTROPY lines."""
+        return self._experts

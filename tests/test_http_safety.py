@@ -1,0 +1,204 @@
+"""`motet serve`'s safety, on the real server: API keys, CORS, the body limit, static
+files that never leave the web folder, and the bind check. The requests whose exact
+bytes matter (`..`, `%2e%2e`, `%2f`) go over raw sockets, since HTTP clients normalise
+such paths before sending them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+import trio
+from conftest import REPO
+
+from motet.http.settings import ServeSettings
+from test_http import HELLO, in_thread, sync_client, tiny_server
+
+KEY = "s3cret-key"
+
+
+@pytest.fixture
+def llama(tiny_model):
+    return tiny_model("llama")
+
+
+async def raw_get(url: str, target: str) -> tuple[int, bytes]:
+    """GET `target` exactly as written; the status and the body (read to its length)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    async with await trio.open_tcp_stream(host, int(port)) as stream:
+        await stream.send_all(f"GET {target} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += await stream.receive_some(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        length = next(int(v) for k, _, v in (line.partition(":") for line in lines[1:])
+                      if k.lower() == "content-length")
+        while len(body) < length:
+            body += await stream.receive_some(65536)
+    return int(lines[0].split()[1]), body
+
+
+# ---- API keys ----------------------------------------------------------------------
+
+
+async def test_api_key_required_on_the_api_not_on_health_or_the_page(llama, tmp_path):
+    (tmp_path / "index.html").write_text("<p>page</p>")
+    async with tiny_server(llama, api_key=KEY, web_dir=tmp_path) as (engine, url):
+        async with httpx.AsyncClient(base_url=url) as http:
+            none = await http.get("/v1/models")
+            wrong = await http.get("/v1/models", headers={"Authorization": "Bearer nope"})
+            bearer = await http.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+            x_api_key = await http.get("/v1/models", headers={"x-api-key": KEY})
+            experts = await http.get("/experts")
+            metrics = await http.get("/metrics", headers={"x-api-key": KEY})
+            health = await http.get("/health")
+            page = await http.get("/")
+        with pytest.raises(openai.AuthenticationError):
+            await in_thread(sync_client(url, api_key="wrong").chat.completions.create,
+                            model="m", messages=HELLO, max_tokens=1)
+        answer = await in_thread(sync_client(url, api_key=KEY).chat.completions.create,
+                                 model="m", messages=HELLO, max_tokens=1)
+    for refused in (none, wrong, experts):
+        assert refused.status_code == 401
+        assert refused.json()["error"]["code"] == "invalid_api_key"
+        assert refused.json()["error"]["type"] == "invalid_request_error"
+    assert bearer.status_code == x_api_key.status_code == metrics.status_code == 200
+    assert health.status_code == 200 and page.text == "<p>page</p>"
+    assert answer.choices[0].finish_reason == "length"
+
+
+def test_public_bind_needs_a_key_or_an_explicit_choice():
+    with pytest.raises(ValueError, match="--allow-insecure-bind"):
+        ServeSettings(host="0.0.0.0")
+    ServeSettings(host="0.0.0.0", api_key=KEY)
+    ServeSettings(host="0.0.0.0", allow_insecure_bind=True)
+    ServeSettings(host="::1")
+    ServeSettings(host="localhost")
+
+
+def test_cli_refuses_a_public_bind_without_a_key():
+    env = {k: v for k, v in os.environ.items() if k != "MOTET_API_KEY"}
+    result = subprocess.run([sys.executable, "-m", "motet", "serve", "--host", "0.0.0.0"],
+                            capture_output=True, text=True, cwd=REPO, timeout=60, env=env)
+    assert result.returncode == 2
+    assert "without an API key" in result.stderr and result.stdout == ""
+
+
+# ---- CORS and limits ---------------------------------------------------------------
+
+
+async def test_cors_allow_list_and_preflight(llama):
+    allowed, other = "http://localhost:5173", "http://evil.example"
+    async with tiny_server(llama, cors_origins=(allowed,), api_key=KEY) as (engine, url):
+        async with httpx.AsyncClient(base_url=url) as http:
+            def preflight(origin):
+                return http.options("/v1/chat/completions", headers={
+                    "Origin": origin, "Access-Control-Request-Method": "POST",
+                    "Access-Control-Request-Headers": "authorization, content-type"})
+            ok = await preflight(allowed)
+            refused = await preflight(other)
+            get = await http.get("/v1/models", headers={"Origin": allowed, "x-api-key": KEY})
+            get_other = await http.get("/v1/models", headers={"Origin": other, "x-api-key": KEY})
+            unauthorized = await http.get("/v1/models", headers={"Origin": allowed})
+    assert ok.status_code == 204  # answered before auth: a preflight carries no key
+    assert ok.headers["Access-Control-Allow-Origin"] == allowed
+    assert "POST" in ok.headers["Access-Control-Allow-Methods"]
+    assert "authorization" in ok.headers["Access-Control-Allow-Headers"].lower()
+    assert "Access-Control-Allow-Origin" not in refused.headers
+    assert get.headers["Access-Control-Allow-Origin"] == allowed and "Origin" in get.headers["Vary"]
+    assert "Access-Control-Allow-Origin" not in get_other.headers
+    # an error the page must be able to read carries the header too
+    assert unauthorized.status_code == 401 and unauthorized.headers["Access-Control-Allow-Origin"] == allowed
+
+
+async def test_body_too_large_is_413(llama):
+    async with tiny_server(llama, max_body_bytes=4096) as (engine, url):
+        async with httpx.AsyncClient(base_url=url) as http:
+            big = await http.post("/v1/completions", json={"model": "m", "prompt": "x" * 8000})
+            fits = await http.post("/v1/completions",
+                                   json={"model": "m", "prompt": "x" * 100, "max_tokens": 1})
+    assert big.status_code == 413 and big.json()["error"]["type"] == "invalid_request_error"
+    assert fits.status_code == 200
+
+
+# ---- static files ------------------------------------------------------------------
+
+
+@pytest.fixture
+def web(tmp_path):
+    """A web folder, with a secret beside it and a symlink in it that points at it."""
+    root = tmp_path / "web"
+    (root / "js").mkdir(parents=True)
+    (root / "index.html").write_text("<p>index</p>")
+    (root / "js" / "app.js").write_text("console.log(1)")
+    (tmp_path / "secret.txt").write_text("SECRET")
+    (tmp_path / "secret").write_text("SECRET")
+    (root / "link.txt").symlink_to(tmp_path / "secret.txt")
+    (root / "linkdir").symlink_to(tmp_path)
+    return root
+
+
+async def test_static_files_and_the_page_fallback(llama, web):
+    async with tiny_server(llama, web_dir=web) as (engine, url):
+        async with httpx.AsyncClient(base_url=url) as http:
+            index = await http.get("/")
+            script = await http.get("/js/app.js")
+            fallback = await http.get("/chat/some-view")  # no extension: the page's own route
+            missing = await http.get("/js/missing.js")
+            api = await http.get("/v1/nothing")
+    assert index.text == "<p>index</p>" and index.headers["content-type"].startswith("text/html")
+    assert script.text == "console.log(1)" and "javascript" in script.headers["content-type"]
+    assert fallback.status_code == 200 and fallback.text == "<p>index</p>"
+    assert missing.status_code == 404 and api.status_code == 404
+    assert api.json()["error"]["type"] == "not_found_error"
+
+
+@pytest.mark.parametrize("target", [
+    "/../secret.txt", "/../secret", "/%2e%2e/secret.txt", "/%2E%2E/secret", "/js/../../secret.txt",
+    "/static/..%2f..%2fsecret.txt", "/..%2fsecret.txt", "/..%5csecret.txt", "/..\\secret.txt",
+    "//etc/passwd", "/link.txt", "/linkdir/secret.txt", "/linkdir/secret", "/./index.html",
+    "/index.html%00.js",
+])
+async def test_path_traversal_is_404(llama, web, target):
+    async with tiny_server(llama, web_dir=web) as (engine, url):
+        status, body = await raw_get(url, target)
+    assert status in (400, 404), (target, status)
+    assert b"SECRET" not in body
+
+
+async def test_repo_file_is_not_reachable_through_the_default_web_dir(llama):
+    async with tiny_server(llama) as (engine, url):  # the repo's web/ (or none)
+        for target in ("/../pyproject.toml", "/%2e%2e/pyproject.toml", "/static/..%2f..%2fpyproject.toml"):
+            status, body = await raw_get(url, target)
+            assert status == 404, target
+            assert b"[project]" not in body
+
+
+async def test_missing_web_dir_shows_a_built_in_page(llama, tmp_path):
+    async with tiny_server(llama, web_dir=tmp_path / "nowhere") as (engine, url):
+        async with httpx.AsyncClient(base_url=url) as http:
+            page = await http.get("/")
+            other = await http.get("/app.js")
+    assert page.status_code == 200 and "does not exist" in page.text and "nowhere" in page.text
+    assert other.status_code == 404
+
+
+async def test_slow_body_is_408_and_slow_headers_are_cut(llama):
+    async with tiny_server(llama, body_timeout_s=0.5, header_timeout_s=0.5) as (engine, url):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        async with await trio.open_tcp_stream(host, int(port)) as slow_body:
+            await slow_body.send_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                     b"Content-Length: 100\r\n\r\n{\"model\":")
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += await slow_body.receive_some(65536)
+        async with await trio.open_tcp_stream(host, int(port)) as slow_headers:
+            await slow_headers.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never ends
+            left = await slow_headers.receive_some(65536)
+    assert data.startswith(b"HTTP/1.1 408")
+    assert left == b""  # closed without an answer
