@@ -1,11 +1,12 @@
-# Two entry points: `make run` (install, then answer a prompt with the default model)
-# and `make test` (install, then run the whole test suite). Both create .venv.
+# Two entry points: `make run` (install, then serve the default model over HTTP on
+# 127.0.0.1:8000, with the web page) and `make test` (install, then run the whole test
+# suite). Both create .venv. `make chat` answers one prompt on the command line.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 
-.PHONY: run test bench install
+.PHONY: run chat test bench install
 
 install: $(VENV)/.installed
 
@@ -19,6 +20,9 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: install
+	$(BIN)/motet serve
+
+chat: install
 	$(BIN)/motet chat "$(PROMPT)"
 
 test: install

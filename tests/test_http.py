@@ -28,7 +28,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from motet.engine import Engine
 from motet.http.serve import open_engine, serve_app
 from motet.http.settings import ServeSettings
-from motet.mux_engine import MuxEngine
 
 TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16)  # as tests/test_engine.py
 SMOL = dict(kv_slots=16, max_context=512, prefill_chunk=64)
@@ -409,8 +408,6 @@ async def test_motet_serve_command_prints_how_to_call_it_and_stops_on_sigint():
     assert out == b""  # stdout stays empty: everything the server says goes to stderr
 
 
-@pytest.mark.xfail(not hasattr(MuxEngine, "statistics"), strict=True,
-                   reason="MuxEngine has no statistics() yet (the shared engine API has it)")
 async def test_a_mux_engine_behind_the_server_is_started_again_when_it_dies():
     settings = ServeSettings(
         port=0, kv_slots=2, max_context=256, model_path=GOLDEN / "llama",
