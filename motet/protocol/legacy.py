@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .mux import MAX_PAYLOAD, Malformed, LineBuffer
+from .mux import MAX_PAYLOAD, Malformed, RequestReader
 
 END = b"\x01\x01END\x01\x01"
 CONTROL = b"\x02"
@@ -47,23 +47,8 @@ class BadFrame:
     """A \\x02PROMPT payload not followed by `\\n`: the stream is out of step."""
 
 
-class LegacyDecoder:
-    def __init__(self):
-        self.lines = LineBuffer()
-        self.pending: tuple | None = None  # a \x02PROMPT header waiting for its payload
-        self.closed = False
-
-    def feed(self, data: bytes) -> list:
-        if self.closed:
-            return []
-        self.lines.feed(data)
-        events = []
-        while not self.closed:
-            event = self._next()
-            if event is None:
-                break
-            events.append(event)
-        return events
+class LegacyDecoder(RequestReader):
+    """The engine's reader of chat lines and \x02 control frames."""
 
     def _next(self):
         if self.pending is not None:

@@ -167,12 +167,14 @@ def _u64(text: str, what: str, nonzero: bool = False) -> int:
 # ---- server → engine ---------------------------------------------------------------------
 
 
-class RequestDecoder:
-    """The engine's reader of SUBMIT / CANCEL / STOP."""
+class RequestReader:
+    """What both protocols' request decoders share: lines and byte-counted payloads in,
+    events out, until a frame out of step closes the stream. `_next` returns the next
+    event, or None when more bytes are needed."""
 
     def __init__(self):
         self.lines = LineBuffer()
-        self.pending: tuple | None = None  # a SUBMIT header waiting for its payload
+        self.pending: tuple | None = None  # a header waiting for its payload
         self.closed = False
 
     def feed(self, data: bytes) -> list:
@@ -186,6 +188,13 @@ class RequestDecoder:
                 break
             events.append(event)
         return events
+
+    def _next(self):
+        raise NotImplementedError
+
+
+class RequestDecoder(RequestReader):
+    """The engine's reader of SUBMIT / CANCEL / STOP."""
 
     def _next(self):
         if self.pending is not None:
