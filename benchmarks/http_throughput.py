@@ -1,9 +1,15 @@
-"""`motet serve` against the in-process Engine, in one run: 32 concurrent streaming chat
-clients on the same Engine, first called directly, then through the HTTP server (SSE,
-the OpenAI chat API). Reports aggregate tokens/s (target: HTTP ≥ 0.90 × direct), and
-p50/p99 time to first token and inter-token latency.
+"""`motet serve` against its engine, in one run: 32 concurrent streaming chat clients on
+the same engine, first called directly, then through the HTTP server (SSE, the OpenAI
+chat API). Reports aggregate tokens/s (target: HTTP ≥ 0.90 × direct), and p50/p99 time
+to first token and inter-token latency.
 
     .venv/bin/python benchmarks/http_throughput.py [--tokens N] [--clients N] [--rounds N]
+        [--engine-cmd "motet mux" [--model PATH]]
+
+The engine is the in-process Engine, or with --engine-cmd a mux engine child driven as
+`motet serve --engine-cmd` drives it (the server's own open_engine; "direct" then means
+the MuxEngine API, without HTTP). --model: the child's model (SNAP), the default model
+when not given.
 
 The HTTP clients run in a child process (httpx under Trio), so their parsing does not
 share the server's event loop; on a small machine they still share its cores. Each run
@@ -19,6 +25,7 @@ import json
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import trio
 
@@ -43,7 +50,8 @@ async def direct_load(engine, run: int, clients: int, tokens: int) -> list[dict]
 
     async def one(i):
         start, stamps, count = time.perf_counter(), [], 0
-        async with engine.stream_chat(messages(run, i), max_tokens=tokens, temperature=0.0) as events:
+        prompt = engine.render_chat(messages(run, i))
+        async with engine.stream(prompt, max_tokens=tokens, temperature=0.0) as events:
             async for event in events:
                 if isinstance(event, TokenEvent):
                     count += 1
@@ -113,15 +121,17 @@ def summarize(traces: list[dict]) -> dict:
             "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99)}
 
 
-async def bench(model, clients: int, tokens: int, rounds: int) -> dict:
-    from motet.engine import Engine
-    from motet.http.serve import serve_app
+async def bench(model, clients: int, tokens: int, rounds: int, engine_cmd: str | None = None,
+                model_path=None) -> dict:
+    """`model`: a loaded Model for the in-process Engine (None with `engine_cmd`)."""
+    from motet.http.serve import open_engine, serve_app
     from motet.http.settings import ServeSettings
 
     out = {"direct": [], "http": []}
-    async with Engine(model, kv_slots=16, max_context=1024, queue_limit=clients) as engine:
+    settings = ServeSettings(port=0, kv_slots=16, max_context=1024, queue_limit=clients,
+                             engine_cmd=engine_cmd, model_path=model_path)
+    async with open_engine(settings, model) as engine:
         async with trio.open_nursery() as nursery:
-            settings = ServeSettings(port=0, kv_slots=16, queue_limit=clients)
             url = (await nursery.start(partial(serve_app, engine, settings)))[0]
             await direct_load(engine, 0, clients, tokens)  # warm: compile every shape
             await http_load_in_child(url, 1, 2, 4)  # warm: the server's first requests
@@ -137,6 +147,10 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=64, help="max tokens per client")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2, help="direct/HTTP pairs, alternated")
+    parser.add_argument("--engine-cmd", default=None,
+                        help='a mux engine command line (e.g. "motet mux"); default: the in-process Engine')
+    parser.add_argument("--model", type=Path, default=None,
+                        help="with --engine-cmd: the child's model (SNAP); default: the default model")
     parser.add_argument("--load", default=None, help=argparse.SUPPRESS)  # the child: HTTP load on URL
     parser.add_argument("--run", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -144,13 +158,19 @@ def main(argv=None) -> int:
         print(json.dumps(trio.run(http_load, args.load, args.run, args.clients, args.tokens)))
         return 0
 
-    import jax
+    if args.model is not None and args.engine_cmd is None:
+        parser.error("--model goes with --engine-cmd")
+    if args.engine_cmd is None:
+        import jax
 
-    from motet.model import load_model
+        from motet.model import load_model
 
-    result = trio.run(bench, load_model(), args.clients, args.tokens, args.rounds)
+        model, backend = load_model(), jax.default_backend()
+    else:
+        model, backend = None, f"mux: {args.engine_cmd}"
+    result = trio.run(bench, model, args.clients, args.tokens, args.rounds, args.engine_cmd, args.model)
     total = {k: sum(r["tokens"] for r in v) / sum(r["wall_s"] for r in v) for k, v in result.items()}
-    result |= {"backend": jax.default_backend(), "clients": args.clients, "max_tokens": args.tokens,
+    result |= {"backend": backend, "clients": args.clients, "max_tokens": args.tokens,
                "http_over_direct": total["http"] / total["direct"]}
     print(json.dumps(result, indent=1))
     print(f"\n{'path':>6} {'round':>5} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "

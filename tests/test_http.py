@@ -1,7 +1,12 @@
 """`motet serve` end to end: the real server (Hypercorn's Trio worker, in the test's
-nursery, on a free loopback port) over a real Engine, called with the official `openai`
+nursery, on a free loopback port) over a real engine, called with the official `openai`
 client (sync in a worker thread, async under Trio) and with httpx and raw sockets where
 the bytes matter. No mocks; hard timeouts; no timing assertions.
+
+The API's behaviour is tested on both engines the server drives (the `backend`
+fixtures): the in-process Engine, and a `motet mux` child behind the server's own
+open_engine (as `motet serve --engine-cmd "motet mux"` runs it). Request validation is
+the app's alone and runs on the in-process Engine only.
 
 The tiny llama checkpoint (vocab 512, gibberish but real) serves most tests, with one
 geometry for all of them so they share compiled functions; the default model
@@ -12,6 +17,7 @@ static files) is in test_http_safety.py.
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import subprocess
 import sys
@@ -22,7 +28,7 @@ import httpx
 import openai
 import pytest
 import trio
-from conftest import COMPILE_CACHE, GOLDEN, REPO
+from conftest import COMPILE_CACHE, GOLDEN, MUX_COMMAND, REPO
 from prometheus_client.parser import text_string_to_metric_families
 
 from motet.engine import Engine
@@ -33,6 +39,8 @@ TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16)  # as tests/test_engi
 SMOL = dict(kv_slots=16, max_context=512, prefill_chunk=64)
 TIMEOUT = 240  # seconds; a hang fails the test instead of the suite
 HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
+MUX_CMD = shlex.join(MUX_COMMAND)  # `motet mux`, sharing the tests' compilation cache
+BACKENDS = ("engine", "mux")
 
 
 @pytest.fixture
@@ -50,10 +58,46 @@ async def serving(engine, **settings):
 
 
 @asynccontextmanager
-async def tiny_server(llama, engine_kw=TINY, **settings):
+async def engine_server(model, engine_kw, **settings):
+    """The server over an in-process Engine; yields (engine, url)."""
     with trio.fail_after(TIMEOUT):
-        async with Engine(llama, **engine_kw) as engine, serving(engine, **settings) as url:
+        async with Engine(model, **engine_kw) as engine, serving(engine, **settings) as url:
             yield engine, url
+
+
+def tiny_server(llama, engine_kw=TINY, **settings):
+    return engine_server(llama, engine_kw, **settings)
+
+
+@asynccontextmanager
+async def mux_server(model_path, engine_kw=TINY, **settings):
+    """The server over `motet mux` running `model_path`, opened as `motet serve
+    --engine-cmd` opens it (a RestartingEngine); yields (engine, url). The child takes
+    the slots, context and queue limit of `engine_kw`, not its prefill chunk."""
+    geometry = {k: engine_kw[k] for k in ("kv_slots", "max_context", "queue_limit") if k in engine_kw}
+    settings = ServeSettings(port=0, engine_cmd=MUX_CMD, model_path=model_path, **geometry, **settings)
+    with trio.fail_after(TIMEOUT):
+        async with open_engine(settings, None) as engine, trio.open_nursery() as nursery:
+            url = (await nursery.start(partial(serve_app, engine, settings)))[0]
+            yield engine, url
+            nursery.cancel_scope.cancel()
+
+
+@pytest.fixture(params=BACKENDS)
+def serve_tiny(request):
+    """serve_tiny(engine_kw=TINY, **settings): the server over the tiny llama, on the
+    in-process Engine or a `motet mux` child; an async context manager of (engine, url)."""
+    if request.param == "engine":
+        return partial(tiny_server, request.getfixturevalue("llama"))
+    return partial(mux_server, GOLDEN / "llama")
+
+
+@pytest.fixture(params=BACKENDS)
+def serve_smol(request):
+    """As serve_tiny, over the default model (SMOL geometry)."""
+    if request.param == "engine":
+        return partial(engine_server, request.getfixturevalue("default_model"), SMOL)
+    return partial(mux_server, request.getfixturevalue("default_model_file"), SMOL)
 
 
 def sync_client(url: str, **kw) -> openai.OpenAI:
@@ -96,8 +140,8 @@ def metric(text: str, name: str, **labels) -> float:
 # ---- chat and completions, with the openai client ----------------------------------
 
 
-async def test_chat_non_streaming_sync_client(llama):
-    async with tiny_server(llama) as (engine, url):
+async def test_chat_non_streaming_sync_client(serve_tiny):
+    async with serve_tiny() as (engine, url):
         client = sync_client(url)
         answer = await in_thread(client.chat.completions.create, model="anything", messages=HELLO,
                                  max_tokens=5, temperature=0)
@@ -118,8 +162,8 @@ async def test_chat_non_streaming_sync_client(llama):
     assert len(colibri["entropy"]) == 2  # per layer (the tiny llama has 2)
 
 
-async def test_chat_streaming_async_client_with_usage(llama):
-    async with tiny_server(llama) as (engine, url):
+async def test_chat_streaming_async_client_with_usage(serve_tiny):
+    async with serve_tiny() as (engine, url):
         client = async_client(url)
         async with client, await client.chat.completions.create(
                 model="m", messages=HELLO, max_tokens=6, temperature=0, stream=True,
@@ -139,8 +183,8 @@ async def test_chat_streaming_async_client_with_usage(llama):
     assert colibri.model_extra["colibri"]["stats"]["emitted_tokens"] == 6
 
 
-async def test_completions_streamed_and_not(llama):
-    async with tiny_server(llama) as (engine, url):
+async def test_completions_streamed_and_not(serve_tiny):
+    async with serve_tiny() as (engine, url):
         client = sync_client(url)
         whole = await in_thread(client.completions.create, model="m", prompt="Once upon a time",
                                 max_tokens=7, temperature=0)
@@ -154,8 +198,8 @@ async def test_completions_streamed_and_not(llama):
     assert colibri.model_extra["colibri"]["stats"]["prompt_tokens"] == whole.usage.prompt_tokens
 
 
-async def test_logprobs_with_top_candidates(llama):
-    async with tiny_server(llama) as (engine, url):
+async def test_logprobs_with_top_candidates(serve_tiny):
+    async with serve_tiny() as (engine, url):
         client = sync_client(url)
         chat = await in_thread(client.chat.completions.create, model="m", messages=HELLO,
                                max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
@@ -177,8 +221,8 @@ async def test_logprobs_with_top_candidates(llama):
     assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
 
 
-async def test_second_turn_reports_cached_tokens(llama):
-    async with tiny_server(llama) as (engine, url):
+async def test_second_turn_reports_cached_tokens(serve_tiny):
+    async with serve_tiny() as (engine, url):
         client = sync_client(url)
         ask = partial(client.chat.completions.create, model="m", messages=HELLO, max_tokens=3, temperature=0)
         first = await in_thread(ask)
@@ -189,16 +233,15 @@ async def test_second_turn_reports_cached_tokens(llama):
     assert second.model_extra["colibri"]["stats"]["reused_tokens"] == cached
 
 
-async def test_stop_strings_and_length_on_the_default_model(default_model):
+async def test_stop_strings_and_length_on_the_default_model(serve_smol):
     question = [{"role": "user", "content": "What is the capital of France?"}]
-    with trio.fail_after(TIMEOUT):
-        async with Engine(default_model, **SMOL) as engine, serving(engine) as url:
-            client = sync_client(url)
-            ask = partial(client.chat.completions.create, model="smol", messages=question, temperature=0)
-            full = await in_thread(ask, max_tokens=20)
-            stopped = await in_thread(ask, max_tokens=20, stop=["Paris", "Berlin"])
-            short = await in_thread(ask, max_tokens=3)
-            chunks = await in_thread(lambda: list(ask(max_tokens=20, stop="Paris", stream=True)))
+    async with serve_smol() as (engine, url):
+        client = sync_client(url)
+        ask = partial(client.chat.completions.create, model="smol", messages=question, temperature=0)
+        full = await in_thread(ask, max_tokens=20)
+        stopped = await in_thread(ask, max_tokens=20, stop=["Paris", "Berlin"])
+        short = await in_thread(ask, max_tokens=3)
+        chunks = await in_thread(lambda: list(ask(max_tokens=20, stop="Paris", stream=True)))
     assert full.choices[0].message.content == "The capital of France is Paris."
     assert full.choices[0].finish_reason == "stop"
     assert stopped.choices[0].message.content == "The capital of France is "
@@ -228,8 +271,6 @@ async def test_stop_strings_and_length_on_the_default_model(default_model):
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ("/v1/chat/completions", {"model": None}, "model"),
     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
-    ("/v1/completions", {"prompt": ""}, "prompt"),  # empty: the engine's EmptyPrompt
-    ("/v1/completions", {"prompt": "word " * 300}, "prompt"),  # past the context
     ("/v1/completions", {"logprobs": 6}, "logprobs"),
 ])
 async def test_bad_fields_are_400_naming_the_field(llama, path, body, param):
@@ -256,10 +297,10 @@ async def test_bad_request_through_the_openai_client_and_bad_json(llama):
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages"
 
 
-async def test_full_queue_is_429_with_retry_after(llama):
+async def test_full_queue_is_429_with_retry_after(serve_tiny):
     # 4 slots and one place in the queue: a burst of 24 long requests cannot all be
     # taken, so some are refused at once, each with a 429 and a Retry-After.
-    async with tiny_server(llama, {**TINY, "queue_limit": 1}) as (engine, url):
+    async with serve_tiny({**TINY, "queue_limit": 1}) as (engine, url):
         responses = []
 
         async def one(http, i):
@@ -278,16 +319,30 @@ async def test_full_queue_is_429_with_retry_after(llama):
     assert refused.json()["error"]["code"] == "queue_full"
 
 
-async def test_busy_cache_slot_is_409_and_shutting_down_is_503(llama):
-    async with tiny_server(llama) as (engine, url):
+async def test_engine_refusals_are_4xx_naming_the_field_and_a_closing_engine_503(serve_tiny):
+    # what the engine refuses (not the request parser): an empty prompt, one past the
+    # context, a cache slot in use; then an engine that drains
+    async with serve_tiny() as (engine, url):
         async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as http:
+            post = partial(http.post, "/v1/completions")
+            empty = await post(json={"model": "m", "prompt": "", "max_tokens": 2})
+            too_long = await post(json={"model": "m", "prompt": "word " * 300, "max_tokens": 2})
+            chat_too_long = await http.post("/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "word " * 300}], "max_tokens": 2})
             body = {"model": "m", "prompt": "a long one", "max_tokens": 240, "cache_slot": 1, "stream": True}
             async with http.stream("POST", "/v1/completions", json=body) as holder:
-                busy = await http.post("/v1/completions", json={**body, "stream": False})
+                busy = await post(json={**body, "stream": False})
                 await holder.aclose()
-            await engine.drain()  # closing: health says so, new requests are refused
+            # closing: health says so, new requests are refused (a RestartingEngine's
+            # MuxEngine drains as the in-process Engine does)
+            await getattr(engine, "current", engine).drain()
             health = await http.get("/health")
-            refused = await http.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1})
+            refused = await post(json={"model": "m", "prompt": "x", "max_tokens": 1})
+    for response, param in ((empty, "prompt"), (too_long, "prompt"), (chat_too_long, "messages")):
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+    assert too_long.json()["error"]["code"] == "context_length_exceeded"
     assert busy.status_code == 409 and busy.headers["Retry-After"] == "1", busy.text
     assert busy.json()["error"]["param"] == "cache_slot"
     assert health.status_code == 503 and health.json()["status"] == "closing"
@@ -306,8 +361,8 @@ async def raw_request(url: str, method: str, path: str, body: dict | None = None
     return stream
 
 
-async def test_disconnect_cancels_a_stream_and_frees_its_slot(llama):
-    async with tiny_server(llama) as (engine, url):
+async def test_disconnect_cancels_a_stream_and_frees_its_slot(serve_tiny):
+    async with serve_tiny() as (engine, url):
         body = {"model": "m", "messages": HELLO, "max_tokens": 240, "stream": True, "cache_slot": 2}
         stream = await raw_request(url, "POST", "/v1/chat/completions", body)
         head = b""
@@ -325,8 +380,8 @@ async def test_disconnect_cancels_a_stream_and_frees_its_slot(llama):
     assert metric(metrics, "motet_requests_total", finish_reason="length") == 1
 
 
-async def test_disconnect_cancels_a_non_streaming_request(llama):
-    async with tiny_server(llama) as (engine, url):
+async def test_disconnect_cancels_a_non_streaming_request(serve_tiny):
+    async with serve_tiny() as (engine, url):
         body = {"model": "m", "prompt": "a long one", "max_tokens": 240}
         stream = await raw_request(url, "POST", "/v1/completions", body)
         await wait_until(lambda: engine.statistics().running == 1)
@@ -340,8 +395,8 @@ async def test_disconnect_cancels_a_non_streaming_request(llama):
 # ---- the other routes --------------------------------------------------------------
 
 
-async def test_models_health_experts_and_metrics(llama):
-    async with tiny_server(llama) as (engine, url):
+async def test_models_health_experts_and_metrics(serve_tiny):
+    async with serve_tiny() as (engine, url):
         client = sync_client(url)
         models = await in_thread(client.models.list)
         model = await in_thread(client.models.retrieve, "llama")
@@ -409,25 +464,19 @@ async def test_motet_serve_command_prints_how_to_call_it_and_stops_on_sigint():
 
 
 async def test_a_mux_engine_behind_the_server_is_started_again_when_it_dies():
-    settings = ServeSettings(
-        port=0, kv_slots=2, max_context=256, model_path=GOLDEN / "llama",
-        engine_cmd=f"{sys.executable} -m motet mux --compile-cache {COMPILE_CACHE}")
-    with trio.fail_after(TIMEOUT):
-        async with open_engine(settings, None) as engine, trio.open_nursery() as nursery:
-            url = (await nursery.start(partial(serve_app, engine, settings)))[0]
-            client = sync_client(url)
-            ask = partial(client.chat.completions.create, model="m", messages=HELLO, max_tokens=3,
-                          temperature=0, logprobs=True, top_logprobs=2)
-            first = await in_thread(ask)
-            async with httpx.AsyncClient(base_url=url) as http:
-                assert (await http.get("/health")).status_code == 200
-                engine.current.process.kill()  # the child dies
-                await wait_until(lambda: engine.restarts == 1)
-                down = await http.get("/health")
-                await wait_until(lambda: engine.statistics().closing is False)
-                up = await http.get("/health")
-            again = await in_thread(ask)
-            nursery.cancel_scope.cancel()
+    async with mux_server(GOLDEN / "llama", {"kv_slots": 2, "max_context": 256}) as (engine, url):
+        client = sync_client(url)
+        ask = partial(client.chat.completions.create, model="m", messages=HELLO, max_tokens=3,
+                      temperature=0, logprobs=True, top_logprobs=2)
+        first = await in_thread(ask)
+        async with httpx.AsyncClient(base_url=url) as http:
+            assert (await http.get("/health")).status_code == 200
+            engine.current.process.kill()  # the child dies
+            await wait_until(lambda: engine.restarts == 1)
+            down = await http.get("/health")
+            await wait_until(lambda: engine.statistics().closing is False)
+            up = await http.get("/health")
+        again = await in_thread(ask)
     assert first.model == "llama" and first.choices[0].finish_reason == "length"
     assert len(first.choices[0].logprobs.content[0].top_logprobs) == 2
     assert down.status_code == 503 and up.status_code == 200

@@ -102,20 +102,26 @@ class Generation:
 
     async def answer(self, turn: Turn, prompt: str):
         """The whole answer as an OpenAI object, or an ApiError."""
-        finish = None
+        finish = refusal = None
+        entered = False
         try:
             async with self.engine.stream(prompt, **self._kwargs(turn)) as events:
-                try:
-                    async for event in events:
-                        if isinstance(event, TokenEvent):
-                            self._token(turn, event)
-                        else:
-                            finish = event
-                finally:
-                    if finish is None:  # the client left (or the engine closed) mid-turn
-                        self.metrics.requests.labels("cancelled").inc()
+                entered = True
+                async for event in events:
+                    if isinstance(event, TokenEvent):
+                        self._token(turn, event)
+                    else:
+                        finish = event
         except EngineError as exc:
-            return self._error(turn, exc)
+            refusal = exc
+        finally:
+            # The client left (or the engine closed) mid-turn, or while the engine took the
+            # request (a MuxEngine waits for the child's first frame then). A refusal at
+            # entry is an HTTP status, not a finished request.
+            if finish is None and (entered or refusal is None):
+                self.metrics.requests.labels("cancelled").inc()
+        if refusal is not None:
+            return self._error(turn, refusal)
         self._finish(finish)
         if finish.stats.finish_reason == "cancelled":  # cancelled by someone else
             return self._error(turn, Cancelled())
@@ -134,8 +140,11 @@ class Generation:
         stream = self.engine.stream(prompt, **self._kwargs(turn))
         try:
             events = await stream.__aenter__()
-        except EngineError as exc:
+        except EngineError as exc:  # refused: an HTTP status, not a finished request
             return self._error(turn, exc)
+        except trio.Cancelled:  # the client left while the engine took the request
+            self.metrics.requests.labels("cancelled").inc()
+            raise
         return self._frames(turn, stream, events)
 
     async def _frames(self, turn: Turn, stream, events):
