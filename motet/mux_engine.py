@@ -58,6 +58,8 @@ class EngineStartError(ModelError):
 class EngineExited(EngineClosed):
     """The child's output ended (it exited, or died) while requests were open."""
 
+    code = "ENGINE_EXITED"
+
     def __init__(self, status: int | None):
         Exception.__init__(self, f"the mux engine exited with status {status}")
         self.status = status
@@ -345,7 +347,7 @@ class MuxEngine:
             case mux.Telemetry(kind, fields):
                 try:
                     self._on_telemetry(kind, fields)
-                except (ValueError, IndexError) as exc:
+                except (ValueError, IndexError, TypeError) as exc:  # TypeError: too few fields
                     log.warning("mux engine: unreadable %s line: %s", kind, exc)
             case mux.BadLine(line, reason):
                 log.warning("mux engine: skipped a bad line (%s): %r", reason, line[:200])
@@ -426,6 +428,14 @@ class MuxEngine:
             raise EmptyPrompt()
         if not isinstance(prompt, str):
             raise BadRequest("a mux engine takes text prompts, not token ids")
+        # What the wire cannot carry is refused here, at entry, not by the child at the first
+        # event (in-band, for a request that waited for a slot), nor in _submit (the reader's)
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRequest("the prompt holds a lone surrogate, which has no UTF-8 spelling") from None
+        if "\x00" in prompt:
+            raise BadRequest("the prompt holds a NUL character, which the mux protocol does not carry")
         if slot is not None and not 0 <= slot < self.kv_slots:
             raise BadRequest(f"slot must be in [0, {self.kv_slots - 1}], got {slot}")
         if self.process is None or self._closing:

@@ -5,7 +5,9 @@ such paths before sending them."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -13,7 +15,7 @@ import httpx
 import openai
 import pytest
 import trio
-from conftest import REPO
+from conftest import GOLDEN, REPO
 
 from motet.http.settings import ServeSettings
 from test_http import HELLO, in_thread, sync_client, tiny_server
@@ -202,3 +204,123 @@ async def test_slow_body_is_408_and_slow_headers_are_cut(llama):
             left = await slow_headers.receive_some(65536)
     assert data.startswith(b"HTTP/1.1 408")
     assert left == b""  # closed without an answer
+
+
+async def test_every_protected_route_needs_the_key_and_the_open_ones_do_not(llama, monkeypatch):
+    # Every route of the app, from its own URL map: a new route is covered by default.
+    import hmac
+
+    from motet.http import app as app_module
+
+    compared, original = [], hmac.compare_digest
+
+    def compare_digest(a, b):
+        compared.append((a, b))
+        return original(a, b)
+
+    monkeypatch.setattr(app_module.hmac, "compare_digest", compare_digest)
+    async with tiny_server(llama, api_key=KEY) as (engine, url):
+        rules = [(r.rule, m) for r in engine_app_rules() for m in r.methods - {"HEAD", "OPTIONS"}]
+        async with httpx.AsyncClient(base_url=url) as http:
+            answers = {}
+            for rule, method in rules:
+                path = rule.replace("<path:model_id>", "llama").replace("<path:path>", "app.js")
+                answers[rule] = await http.request(method, path, json={"model": "m", "prompt": "x", "max_tokens": 1})
+            compared.clear()
+            both = await http.get("/v1/models", headers={"Authorization": "Bearer nope", "x-api-key": "nope2"})
+    for rule, response in answers.items():
+        protected = rule.startswith(("/v1/", "/experts", "/metrics"))
+        assert (response.status_code == 401) == protected, (rule, response.status_code)
+    assert both.status_code == 401
+    # both candidates went through the constant-time compare (no early `==` on either)
+    assert sorted(compared) == [(b"nope", KEY.encode()), (b"nope2", KEY.encode())]
+
+
+def engine_app_rules():
+    from motet.http.app import create_app
+
+    return list(create_app(None, ServeSettings()).url_map.iter_rules())
+
+
+def test_the_key_is_not_in_the_settings_repr():
+    assert KEY not in repr(ServeSettings(api_key=KEY)) and KEY not in str(ServeSettings(api_key=KEY))
+
+
+# ---- limits on what one request may ask ------------------------------------------
+
+
+async def test_request_limits_are_400s_naming_the_field(llama):
+    limits = dict(max_context=64, max_messages=3, max_stops=2, max_stop_chars=5, max_prompt_chars=100)
+    async with tiny_server(llama, **limits) as (engine, url):
+        async with httpx.AsyncClient(base_url=url) as http:
+            def chat(**body):
+                return http.post("/v1/chat/completions", json={"model": "m", "messages": HELLO, **body})
+
+            answers = {
+                "messages": await chat(messages=HELLO * 4),
+                "max_tokens": await chat(max_tokens=65),
+                "max_completion_tokens": await chat(max_completion_tokens=65),
+                "stop": await chat(stop=["a", "b", "c"]),
+                "stop_chars": await chat(stop="abcdef"),
+                "prompt_chars": await chat(messages=[{"role": "user", "content": "x" * 101}]),
+                "completion_prompt": await http.post("/v1/completions", json={"model": "m", "prompt": "x" * 101}),
+                "surrogate": await http.post("/v1/completions", content=b'{"model": "m", "prompt": "a\\ud800"}'),
+            }
+            within = await chat(max_tokens=2, stop=["a", "bcdef"], messages=HELLO * 3)
+    params = {"stop_chars": "stop", "prompt_chars": "messages", "completion_prompt": "prompt", "surrogate": "prompt"}
+    for name, response in answers.items():
+        assert response.status_code == 400, (name, response.text)
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == params.get(name, name), (name, error)
+    assert "at most 3" in answers["messages"].json()["error"]["message"]
+    assert "[1, 64]" in answers["max_tokens"].json()["error"]["message"]
+    assert within.status_code == 200, within.text
+
+
+async def test_oversized_headers_are_431_and_deeply_nested_json_is_400(llama):
+    async with tiny_server(llama, max_header_bytes=4096) as (engine, url):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        statuses = []
+        for size in (5000, 20_000, 100_000):  # one read, a few, past h11's own limit
+            async with await trio.open_tcp_stream(host, int(port)) as stream:
+                await stream.send_all(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * size + b"\r\n\r\n")
+                head = b""
+                while b"\r\n" not in head:
+                    head += await stream.receive_some(65536)
+                statuses.append(int(head.split()[1]))
+        async with httpx.AsyncClient(base_url=url) as http:
+            fits = await http.get("/health", headers={"X-Small": "a" * 1000})
+            nested = await http.post("/v1/chat/completions", content=b"[" * 5000 + b"]" * 5000)
+    assert statuses == [431, 431, 431] and fits.status_code == 200
+    assert nested.status_code == 400 and nested.json()["error"]["message"] == "the request body is not valid JSON"
+
+
+# ---- the chat template's sandbox ---------------------------------------------------
+
+
+async def test_template_syntax_in_a_message_is_text_not_code(llama):
+    hostile = "{{ ''.__class__.__mro__ }}{% for x in range(10**9) %}{% endfor %}"
+    async with tiny_server(llama) as (engine, url):
+        prompt = engine.render_chat([{"role": "user", "content": hostile}])
+        async with httpx.AsyncClient(base_url=url) as http:
+            answer = await http.post("/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": hostile}], "max_tokens": 2})
+    assert hostile in prompt and "<class" not in prompt  # as written, not evaluated
+    assert answer.status_code == 200, answer.text
+
+
+async def test_a_hostile_model_template_meets_the_sandbox_and_a_clean_400(tmp_path):
+    from motet.model import load_model
+
+    model_dir = tmp_path / "llama"
+    shutil.copytree(GOLDEN / "llama", model_dir)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ ''.__class__.__mro__[1].__subclasses__() }}{{ messages[0].content }}"
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    async with tiny_server(load_model(model_dir)) as (engine, url):
+        async with httpx.AsyncClient(base_url=url) as http:
+            answer = await http.post("/v1/chat/completions", json={"model": "m", "messages": HELLO})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "messages" and "unsafe" in error["message"]
+    assert "<class" not in answer.text and "subclasses" not in error["message"].split("unsafe")[1]

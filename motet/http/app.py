@@ -4,8 +4,9 @@ Written against the engine API only (stream, render_chat, name, statistics,
 expert_state), so the in-process Engine and a MuxEngine plug in alike.
 
 Auth: with an API key set, `/v1/*`, `/experts` and `/metrics` need it (`Authorization:
-Bearer <key>` or `x-api-key: <key>`); `/health` (for load balancers) and the web folder
-(the page asks for the key itself) stay open. CORS answers only the origins given, and
+Bearer <key>` or `x-api-key: <key>`); `/health` (for load balancers), `/openapi.json` and
+the web folder (the page asks for the key itself) stay open. The key is compared in
+constant time and never logged. CORS answers only the origins given, and
 preflights before auth, since browsers send no credentials on a preflight.
 """
 
@@ -21,11 +22,13 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, NotFound
 
+from ..runtime.errors import EngineError
 from . import openai_responses as shape
 from . import static
-from .errors import ApiError, invalid
+from .errors import ApiError, from_engine, invalid
 from .generate import Generation, Turn
 from .metrics import Metrics, RecentRate
+from .openapi import openapi_document
 from .openai_schema import InvalidRequest, parse_chat, parse_completion
 from .settings import ServeSettings
 
@@ -49,6 +52,7 @@ class Server:
     def __init__(self, engine, settings: ServeSettings):
         self.engine = engine
         self.settings = settings
+        self.limits = settings.limits()
         self.metrics = Metrics(engine)
         self.decode_rate = RecentRate()
         self.generation = Generation(engine, self.metrics, self.decode_rate,
@@ -59,6 +63,12 @@ class Server:
     # ---- around every request -------------------------------------------------------
 
     async def before(self):
+        if (size := _head_size(request.scope)) > self.settings.max_header_bytes:
+            # Hypercorn's own limit (h11's) only sees headers that arrive in pieces: a head
+            # that comes in one read of up to 64 KiB passes it, so the limit is kept here
+            return error_response(ApiError(
+                431, f"the request line and headers are {size} bytes; at most "
+                f"{self.settings.max_header_bytes} are allowed", code="request_header_fields_too_large"))
         if request.method == "OPTIONS":
             return self._preflight()
         key = self.settings.api_key
@@ -117,16 +127,18 @@ class Server:
     # ---- the OpenAI routes ----------------------------------------------------------
 
     async def chat_completions(self):
-        body = parse_chat(await self._json())
+        body = parse_chat(await self._json(), self.limits)
         try:
             prompt = self.engine.render_chat([dict(m) for m in body.messages])
         except ValueError as exc:  # the chat template refused this conversation
             raise InvalidRequest(str(exc), "messages") from None
+        except EngineError as exc:  # no engine to render with (a mux child starting again)
+            return error_response(from_engine(exc, "messages", self.settings.retry_after_s))
         return await self._generate(Turn(True, self.engine.name, body.options, trio.current_time()),
                                     prompt)
 
     async def completions(self):
-        body = parse_completion(await self._json())
+        body = parse_completion(await self._json(), self.limits)
         return await self._generate(Turn(False, self.engine.name, body.options, trio.current_time()),
                                     body.prompt)
 
@@ -134,7 +146,7 @@ class Server:
         data = await request.get_data(cache=False)  # 413 past the limit, 408 past the timeout
         try:
             return json.loads(data)
-        except ValueError:  # also bad UTF-8
+        except (ValueError, RecursionError):  # also bad UTF-8, nesting too deep, huge numbers
             raise InvalidRequest("the request body is not valid JSON") from None
 
     async def _generate(self, turn: Turn, prompt: str):
@@ -168,9 +180,16 @@ class Server:
         if self.closing:
             return {"status": "closing", "reason": "the server is shutting down"}, 503
         if self.engine.statistics().closing:
+            # A RestartingEngine whose child cannot start says why (a model file gone...)
+            failed = getattr(self.engine, "start_error", None)
+            if failed is not None:
+                return {"status": "error", "reason": f"the engine cannot start: {failed}"}, 503
             reason = "the engine is not serving (closing, or starting again)"
             return {"status": "closing", "reason": reason}, 503
         return {"status": "ok"}
+
+    async def openapi(self):
+        return openapi_document(self.settings, self.engine.name, self.engine.statistics().slots_total)
 
     async def experts(self):
         state, stats = self.engine.expert_state(), self.engine.statistics()
@@ -202,6 +221,12 @@ class Server:
                         headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"})
 
 
+def _head_size(scope: dict) -> int:
+    """The request line and headers as sent, in bytes (near enough: separators counted)."""
+    line = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + 16
+    return line + sum(len(name) + len(value) + 4 for name, value in scope.get("headers", ()))
+
+
 def create_app(engine, settings: ServeSettings) -> QuartTrio:
     """The app for `engine`; its Server is `app.extensions["motet"]`."""
     server = Server(engine, settings)
@@ -222,6 +247,7 @@ def create_app(engine, settings: ServeSettings) -> QuartTrio:
         ("/v1/models", server.models, "GET"),
         ("/v1/models/<path:model_id>", server.model, "GET"),
         ("/health", server.health, "GET"),
+        ("/openapi.json", server.openapi, "GET"),
         ("/experts", server.experts, "GET"),
         ("/metrics", server.prometheus, "GET"),
         ("/", server.web, "GET"),

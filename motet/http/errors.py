@@ -65,8 +65,8 @@ def from_engine(exc: EngineError, prompt_param: str, retry_after_s: int) -> ApiE
         case QueueFull():
             return ApiError(429, message, type="rate_limit_error", code="queue_full",
                             retry_after_s=retry_after_s)
-        case EngineClosed():
-            return ApiError(503, message, type="server_error", code="shutting_down",
+        case EngineClosed():  # shutting_down; engine_exited, engine_unavailable (a mux child)
+            return ApiError(503, message, type="server_error", code=exc.code.lower(),
                             retry_after_s=retry_after_s)
         case Cancelled():
             return ApiError(503, message, type="server_error", code="cancelled")

@@ -1,10 +1,12 @@
 """OpenAI request bodies → frozen requests, validated field by field. Pure: no I/O.
 
 A bad field raises InvalidRequest naming it (`param`, e.g. `messages[0].content`), which
-the app answers with a 400 in OpenAI's error shape. Fields OpenAI clients send that do
-not change the answer (`user`, `metadata`, ...) are ignored; fields that would change it
-and that motet cannot honour (`n` > 1, nonzero penalties, `echo`) are refused rather than
-silently dropped.
+the app answers with a 400 in OpenAI's error shape; any JSON value in any field gives a
+request or an InvalidRequest, nothing else (tests/test_fuzz.py). Fields OpenAI clients
+send that do not change the answer (`user`, `metadata`, ...) are ignored; fields that
+would change it and that motet cannot honour (`n` > 1, nonzero penalties, `echo`) are
+refused rather than silently dropped. `Limits` bound what one request may ask: messages,
+stop strings, prompt characters (before tokenizing), and `max_tokens`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from dataclasses import dataclass
 
 MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 5
+MAX_MESSAGES = 256
+MAX_STOP_CHARS = 256
+MAX_PROMPT_CHARS = 1 << 20
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -21,6 +26,17 @@ class InvalidRequest(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for; past a limit, a 400 naming the field."""
+
+    max_messages: int = MAX_MESSAGES
+    max_stops: int = MAX_STOPS
+    max_stop_chars: int = MAX_STOP_CHARS  # characters of one stop string
+    max_prompt_chars: int = MAX_PROMPT_CHARS  # the prompt, or all messages' text together
+    max_tokens: int | None = None  # the served context; None: no bound here
 
 
 @dataclass(frozen=True)
@@ -53,29 +69,40 @@ class CompletionRequest:
     options: Options
 
 
-def parse_chat(body: object) -> ChatRequest:
+def parse_chat(body: object, limits: Limits = Limits()) -> ChatRequest:
     body = _object(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty array of messages", "messages")
+    if len(messages) > limits.max_messages:
+        raise InvalidRequest(f"'messages' holds {len(messages)} messages; at most "
+                             f"{limits.max_messages} are allowed", "messages")
     parsed = tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages))
+    chars = sum(len(m["content"]) for m in parsed)
+    if chars > limits.max_prompt_chars:
+        raise InvalidRequest(f"the messages hold {chars} characters; at most "
+                             f"{limits.max_prompt_chars} are allowed", "messages")
     logprobs = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
     if top and not logprobs:
         raise InvalidRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    max_tokens = _int(body, "max_completion_tokens", 1, None)
+    max_tokens = _int(body, "max_completion_tokens", 1, limits.max_tokens)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1, None)
-    return ChatRequest(_model(body), parsed, _options(body, max_tokens, logprobs, top))
+        max_tokens = _int(body, "max_tokens", 1, limits.max_tokens)
+    return ChatRequest(_model(body), parsed, _options(body, limits, max_tokens, logprobs, top))
 
 
-def parse_completion(body: object) -> CompletionRequest:
+def parse_completion(body: object, limits: Limits = Limits()) -> CompletionRequest:
     body = _object(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise InvalidRequest("'prompt' must be a string (or an array of one string)", "prompt")
+    if len(prompt) > limits.max_prompt_chars:
+        raise InvalidRequest(f"'prompt' holds {len(prompt)} characters; at most "
+                             f"{limits.max_prompt_chars} are allowed", "prompt")
+    _text(prompt, "prompt")
     if body.get("echo") not in (None, False):
         raise InvalidRequest("'echo' is not supported", "echo")
     if body.get("best_of") not in (None, 1):
@@ -83,8 +110,9 @@ def parse_completion(body: object) -> CompletionRequest:
     if body.get("suffix") not in (None, ""):
         raise InvalidRequest("'suffix' is not supported", "suffix")
     top = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)  # completions: an integer, or null
-    max_tokens = _int(body, "max_tokens", 1, None)
-    return CompletionRequest(_model(body), prompt, _options(body, max_tokens, top is not None, top or 0))
+    max_tokens = _int(body, "max_tokens", 1, limits.max_tokens)
+    return CompletionRequest(_model(body), prompt,
+                             _options(body, limits, max_tokens, top is not None, top or 0))
 
 
 # ---- the fields ---------------------------------------------------------------------
@@ -107,7 +135,7 @@ def _message(message: object, where: str) -> dict[str, str]:
     if not isinstance(message, dict):
         raise InvalidRequest(f"'{where}' must be an object with 'role' and 'content'", where)
     role = message.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:  # a list or an object is no key
         raise InvalidRequest(
             f"'{where}.role' must be one of {', '.join(ROLES)}; got {role!r}", f"{where}.role"
         )
@@ -117,7 +145,7 @@ def _message(message: object, where: str) -> dict[str, str]:
 def _content(content: object, where: str) -> str:
     """A string, or a list of text parts (joined by newlines, as vLLM joins them)."""
     if isinstance(content, str):
-        return content
+        return _text(content, where)
     if isinstance(content, list):
         texts = []
         for i, part in enumerate(content):
@@ -128,13 +156,24 @@ def _content(content: object, where: str) -> str:
                     f"'{where}[{i}]' must be a text part {{\"type\": \"text\", \"text\": ...}}; "
                     f"got {kind!r} (only text is supported)", where,
                 )
-            texts.append(part["text"])
+            texts.append(_text(part["text"], f"{where}[{i}].text"))
         return "\n".join(texts)
     raise InvalidRequest(f"'{where}' must be a string or an array of text parts", where)
 
 
-def _options(body: dict, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> Options:
-    n = body.get("n")
+def _text(text: str, where: str) -> str:
+    """`text`, unless it holds a lone surrogate (JSON's `\\ud800` escape decodes to one):
+    no UTF-8 spelling, no tokens."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"'{where}' holds a lone surrogate, which is not text", where) from None
+    return text
+
+
+def _options(body: dict, limits: Limits, max_tokens: int | None, logprobs: bool,
+             top_logprobs: int) -> Options:
+    n = _integral(body.get("n"))
     if n is not None and (not _is_int(n) or n != 1):
         raise InvalidRequest(f"only 'n': 1 is supported; got {n!r}", "n")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -154,7 +193,7 @@ def _options(body: dict, max_tokens: int | None, logprobs: bool, top_logprobs: i
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
-        stop=_stop(body.get("stop")),
+        stop=_stop(body.get("stop"), limits),
         seed=_int(body, "seed", 0, (1 << 63) - 1),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
@@ -164,15 +203,20 @@ def _options(body: dict, max_tokens: int | None, logprobs: bool, top_logprobs: i
     )
 
 
-def _stop(stop: object) -> tuple[str, ...]:
+def _stop(stop: object, limits: Limits) -> tuple[str, ...]:
     if stop is None:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
-    if (not isinstance(stops, list) or len(stops) > MAX_STOPS
+    if (not isinstance(stops, list) or len(stops) > limits.max_stops
             or not all(isinstance(s, str) and s for s in stops)):
         raise InvalidRequest(
-            f"'stop' must be a non-empty string or an array of up to {MAX_STOPS} of them", "stop"
+            f"'stop' must be a non-empty string or an array of up to {limits.max_stops} of them", "stop"
         )
+    for s in stops:
+        if len(s) > limits.max_stop_chars:
+            raise InvalidRequest(f"a stop string holds {len(s)} characters; at most "
+                                 f"{limits.max_stop_chars} are allowed", "stop")
+        _text(s, "stop")
     return tuple(stops)
 
 
@@ -180,8 +224,16 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _integral(value: object) -> object:
+    """A float with no fraction as the integer it is (JSON Schema's integers include
+    `1.0`, and so does pydantic's lax mode, which OpenAI-style servers use); else as is."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 def _int(body: dict, name: str, lo: int, hi: int | None) -> int | None:
-    value = body.get(name)
+    value = _integral(body.get(name))
     if value is None:
         return None
     if not _is_int(value) or value < lo or (hi is not None and value > hi):

@@ -1,10 +1,12 @@
 """RestartingEngine: the engine API over a mux engine child that is started again
 whenever it exits on its own (a crash, an OOM kill).
 
-Requests in flight when the child dies fail as the MuxEngine fails them (EngineClosed:
+Requests in flight when the child dies fail as the MuxEngine fails them (EngineExited:
 a 503, or an error frame in a stream); until the new child is READY, new requests get a
-503 and /health says the engine is restarting. A failure to start the first child is
-the caller's error (the command exits); a later one is logged and tried again.
+503 (EngineUnavailable) and /health says the engine is restarting. A failure to start
+the first child is the caller's error (the command exits); a later one (its model file
+gone, say) is logged, kept as `start_error` for /health and the 503s to say, and tried
+again.
 """
 
 from __future__ import annotations
@@ -21,6 +23,16 @@ log = logging.getLogger(__name__)
 RESTART_DELAY_S = 1.0  # between a child's death and the next start, so a crash loop idles
 
 
+class EngineUnavailable(EngineClosed):
+    """No child is serving now: one died, or cannot start; the next may."""
+
+    code = "ENGINE_UNAVAILABLE"
+
+    def __init__(self, start_error: str | None):
+        reason = f": it did not start again ({start_error})" if start_error else ""
+        Exception.__init__(self, "the mux engine is starting again" + reason)
+
+
 class RestartingEngine:
     def __init__(self, open_engine, *, kv_slots: int):
         """`open_engine()` returns a new MuxEngine (an async context manager)."""
@@ -28,6 +40,7 @@ class RestartingEngine:
         self.kv_slots = kv_slots
         self.name = ""  # the model's, once a child has started
         self.restarts = 0
+        self.start_error: str | None = None  # why the last start failed; None once one works
         self._engine = None
         self._stopping = trio.Event()
         self._experts = ExpertState(0, 0, b"", b"", 0, ())
@@ -38,7 +51,7 @@ class RestartingEngine:
         while not self._stopping.is_set():
             try:
                 async with self._open() as engine:
-                    self._engine, self.name = engine, engine.name
+                    self._engine, self.name, self.start_error = engine, engine.name, None
                     if not started:
                         started = True
                         task_status.started()
@@ -46,6 +59,7 @@ class RestartingEngine:
             except Exception as exc:  # a start that failed (Cancelled is no Exception)
                 if not started:
                     raise
+                self.start_error = str(exc)
                 log.error("the mux engine did not start again: %s", exc)
             finally:
                 if self._engine is not None:
@@ -78,7 +92,7 @@ class RestartingEngine:
 
     def _current(self):
         if self._engine is None:
-            raise EngineClosed()
+            raise EngineClosed() if self._stopping.is_set() else EngineUnavailable(self.start_error)
         return self._engine
 
     # ---- the engine API, forwarded ----------------------------------------------------

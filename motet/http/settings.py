@@ -4,10 +4,12 @@ only place that reads the environment) and passed down; validated here, once."""
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import motet
+
+from .openai_schema import MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOPS, Limits
 
 DEFAULT_WEB_DIR = Path(motet.__file__).resolve().parent.parent / "web"
 
@@ -28,13 +30,19 @@ class ServeSettings:
     kv_slots: int = 16
     max_context: int = 4096
     queue_limit: int = 64  # requests waiting for a slot; past it, 429
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # never in a repr, hence never in a log
     allow_insecure_bind: bool = False
     cors_origins: tuple[str, ...] = ()  # exact origins; "*" only when given
     max_body_bytes: int = 1 << 20  # past it, 413
     body_timeout_s: float = 30.0  # a request body not read in full by then: 408
     header_timeout_s: float = 10.0  # a connection idle before its headers are complete
     max_header_bytes: int = 16 << 10
+    # What one request may ask (past a limit: a 400 naming the field); max_tokens is
+    # bounded by max_context
+    max_messages: int = MAX_MESSAGES
+    max_stops: int = MAX_STOPS
+    max_stop_chars: int = MAX_STOP_CHARS
+    max_prompt_chars: int = MAX_PROMPT_CHARS  # characters, before tokenizing
     shutdown_grace_s: float = 10.0  # streams in flight may finish within this on shutdown
     default_max_tokens: int = 4096  # when a request gives none; the context ends a turn too
     retry_after_s: int = 1  # the Retry-After of 429/409/503 answers
@@ -50,8 +58,12 @@ class ServeSettings:
             raise ValueError(f"kv_slots must be at least 1, got {self.kv_slots}")
         if self.queue_limit < 0:
             raise ValueError(f"queue_limit must be >= 0, got {self.queue_limit}")
-        if self.max_body_bytes < 1:
-            raise ValueError(f"max_body_bytes must be at least 1, got {self.max_body_bytes}")
+        for name in ("max_context", "max_body_bytes", "max_header_bytes", "max_messages",
+                     "max_stop_chars", "max_prompt_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_stops < 0:
+            raise ValueError(f"max_stops must be >= 0, got {self.max_stops}")
         if self.api_key == "":
             raise ValueError("the API key is empty")
         if self.api_key is None and not self.allow_insecure_bind and not is_loopback(self.host):
@@ -60,3 +72,8 @@ class ServeSettings:
                 "it could use the model. Give --api-key (or MOTET_API_KEY), bind 127.0.0.1, "
                 "or pass --allow-insecure-bind"
             )
+
+    def limits(self) -> Limits:
+        """What one request may ask, as the request parser takes it."""
+        return Limits(self.max_messages, self.max_stops, self.max_stop_chars,
+                      self.max_prompt_chars, max_tokens=self.max_context)

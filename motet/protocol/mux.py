@@ -207,7 +207,9 @@ class RequestDecoder(RequestReader):
             if isinstance(line, Exception):
                 return Malformed(0, str(line))
         try:
-            words = line.decode("ascii").split()
+            # Split as the bytes were tested for blankness (ASCII whitespace): str.split
+            # would also split on \x1c-\x1f, and a line of those alone has no words.
+            words = [w.decode("ascii") for w in line.split()]
         except UnicodeDecodeError:
             return Malformed(0, "a request line must be ASCII")
         kind, args = words[0], words[1:]

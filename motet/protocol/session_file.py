@@ -219,7 +219,8 @@ _ABSENT = object()
 def _check_header(raw: bytes, expect: SessionHeader) -> None:
     try:
         found = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep, a
+        # number of too many digits: corruption all the same
         raise SessionError(f"the header is not readable: {exc}") from None
     if not isinstance(found, dict):
         raise SessionError("the header is not readable: it is not a JSON object")
