@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .runtime.config import ModelSettings, SamplingSettings
+from .runtime.config import EXPERT_MODES, ExpertSettings, ModelSettings, SamplingSettings
 
 log = logging.getLogger("motet")
 
@@ -34,6 +34,42 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _add_expert_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--experts", choices=EXPERT_MODES, default=None,
+                   help="expert placement (EXPERTS; default auto: tiered only when over a budget)")
+    p.add_argument("--device-gb", type=float, default=None, help="device budget for the weights, GB (DEVICE_GB)")
+    p.add_argument("--ram-gb", type=float, default=None, help="host RAM for experts off the device, GB (RAM_GB)")
+    p.add_argument("--heat-file", type=Path, default=None,
+                   help="where expert heat persists (HEAT_FILE; default: next to the model when tiered)")
+    p.add_argument("--expert-policy", choices=("heat", "lru"), default=None, help="EXPERT_POLICY (default heat)")
+    p.add_argument("--no-prefetch", action="store_true", default=None,
+                   help="do not guess the next layer's experts (EXPERT_PREFETCH=0)")
+
+
+def expert_settings(args, env) -> ExpertSettings:
+    """Flags win over the environment; the positional cap is the mux servers' expert-cache size."""
+    def value(name: str, flag, kind):
+        if flag is not None:
+            return flag
+        if not env.get(name):
+            return None
+        try:
+            return kind(env[name])
+        except ValueError:
+            raise ValueError(f"{name} must be a {kind.__name__}, got {env[name]!r}") from None
+
+    heat = value("HEAT_FILE", args.heat_file, Path)
+    return ExpertSettings(
+        mode=value("EXPERTS", args.experts, str) or "auto",
+        device_experts_per_layer=value("EXPERT_CAP", args.expert_cache, int) or None,
+        device_gb=value("DEVICE_GB", args.device_gb, float),
+        ram_gb=value("RAM_GB", args.ram_gb, float),
+        heat_file=heat,
+        policy=value("EXPERT_POLICY", args.expert_policy, str) or "heat",
+        prefetch=not args.no_prefetch and env.get("EXPERT_PREFETCH", "1") != "0",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="motet", description="motet: an MoE LLM inference engine")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
@@ -48,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     muxp = sub.add_parser("mux", help="serve the mux protocol on stdin/stdout (SNAP, KV_SLOTS, CTX, "
                           "SERVE_TOPK from the environment; flags win)")
     muxp.add_argument("expert_cache", nargs="?", type=int, default=None,
-                      help="accepted for compatibility (servers pass an expert-cache size)")
+                      help="experts per MoE layer on the device (EXPERT_CAP; 0 or absent: no limit)")
+    _add_expert_flags(muxp)
     muxp.add_argument("--kv-slots", type=int, default=None, help="KV slots, 1-16 (KV_SLOTS; default 1)")
     muxp.add_argument("--topk", action="store_true", default=None, help="a TOPK line per token (SERVE_TOPK=1)")
     muxp.add_argument("--batch", action="store_true", help="the mux protocol even without SERVE_BATCH=1")
@@ -170,6 +207,7 @@ class MuxSettings:
     topk: bool
     ngen: int
     kvsave: str | None
+    experts: ExpertSettings = ExpertSettings()
 
     @classmethod
     def from_args(cls, args, env) -> MuxSettings:
@@ -189,6 +227,7 @@ class MuxSettings:
             topk=args.topk if args.topk is not None else env.get("SERVE_TOPK") == "1",
             ngen=number("NGEN", args.ngen, 256),
             kvsave=env.get("KVSAVE") or None,
+            experts=expert_settings(args, env),
         )
 
 
@@ -217,7 +256,7 @@ def cmd_mux(args) -> int:
     from .model import ModelError, ModelFileError, UnsupportedModelError, load_model
 
     try:
-        loaded = load_model(mux.model, dtype=args.dtype)
+        loaded = load_model(mux.model, dtype=args.dtype, lazy_experts=mux.experts.mode != "resident")
     except (ModelError, OSError, MemoryError) as exc:
         # An extension servers may read instead of READY; the reason also goes to stderr.
         kind = ("nomem" if isinstance(exc, MemoryError)
@@ -231,7 +270,7 @@ def cmd_mux(args) -> int:
 
     async def serve():
         kv_slots = 1 if mux.legacy else mux.kv_slots
-        async with Engine(loaded, kv_slots=kv_slots, max_context=mux.context) as engine:
+        async with Engine(loaded, kv_slots=kv_slots, max_context=mux.context, experts=mux.experts) as engine:
             stdin = trio.lowlevel.FdStream(os.dup(0))
             stdout = trio.lowlevel.FdStream(protocol_fd)
             if mux.legacy:

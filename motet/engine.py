@@ -13,26 +13,32 @@ import itertools
 import logging
 import time
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 import trio
 
+from .actors.expert_cache import ExpertCache, HeatFile, SaveHeat
+from .actors.expert_policy import ExpertPlan, ExpertPolicy, PolicySettings, default_heat_path, plan_experts
 from .actors.kv_slot import KVSlot
 from .actors.runner import ModelRunner
 from .actors.scheduler import Cancel, Drain, Scheduler, StopNow, Submit, Subscribe
 from .model.kv import KVGeometry
 from .model.model import Model
+from .model.tiered import shared_weight_bytes
 from .runtime.actor import open_reply, open_stream
 from .runtime.api import (
     Completion,
     EngineStatistics,
     ExpertState,
+    ExpertTiers,
     FinishEvent,
     GenerationRequest,
     StepRouting,
     Telemetry,
     TokenEvent,
 )
+from .runtime.config import ExpertSettings
 from .runtime.errors import Cancelled, EngineClosed, EngineError, NotFound
 from .runtime.experts import HITS_EVERY, ExpertMap, turn_entropy
 
@@ -74,7 +80,10 @@ class Engine:
         dtype: str = "float32",
         prefill_chunk: int = 256,
         queue_limit: int = 64,
+        experts: ExpertSettings | None = None,
     ):
+        """experts: where a MoE model's experts live (default: all on the device unless
+        a budget says otherwise; see ExpertSettings)."""
         if not 1 <= kv_slots <= MAX_SLOTS:
             raise ValueError(f"kv_slots must be in [1, {MAX_SLOTS}], got {kv_slots}")
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
@@ -85,6 +94,10 @@ class Engine:
         self.dtype = dtype
         self.prefill_chunk = prefill_chunk
         self.queue_limit = queue_limit
+        self.expert_settings = experts or ExpertSettings()
+        self.expert_plan: ExpertPlan | None = None
+        self.heat_file: HeatFile | None = None
+        self._expert_cache: ExpertCache | None = None
         self.model: Model | None = None
         self._scheduler: Scheduler | None = None
         # Ids the engine picks live in the top half of u64, so they never meet the small
@@ -101,13 +114,22 @@ class Engine:
         self.model = await trio.to_thread.run_sync(self._load)
         context = min(self.max_context, self.model.config.max_context)
         geo = KVGeometry(n_slots=self.kv_slots, max_context=context, chunk=self.prefill_chunk)
-        runner = await trio.to_thread.run_sync(ModelRunner, self.model, geo)
+        policy = await trio.to_thread.run_sync(self._plan_experts)
+        runner = await trio.to_thread.run_sync(
+            partial(ModelRunner, self.model, geo, self.expert_plan,
+                    prefetch=self.expert_settings.prefetch, rank=policy.rank() if policy else None)
+        )
+        if policy is not None:
+            self._expert_cache = ExpertCache(policy, tiered=self.expert_plan.mode == "tiered",
+                                             heat_file=self.heat_file)
+            await nursery.start(self._expert_cache.run)
         slots = [KVSlot(i) for i in range(self.kv_slots)]
         for slot in slots:
             await nursery.start(slot.run)
-        self._scheduler = Scheduler(runner, slots, self.queue_limit)
+        self._scheduler = Scheduler(runner, slots, self.queue_limit, self._expert_cache)
         await nursery.start(self._scheduler.run)
         self._experts = ExpertMap.for_model(self.model.config)
+        self._experts.set_tiers(runner.expert_tiers())
         await nursery.start(self._watch_experts)
         self._nursery = nursery
 
@@ -131,9 +153,37 @@ class Engine:
 
         started = time.monotonic()
         log.info("loading %s", self._model_arg or "the default model")
-        model = load_model(self._model_arg, dtype=self.dtype)
+        # Unless forced resident, the experts stay in the file until the plan is known.
+        lazy = self.expert_settings.mode != "resident"
+        model = load_model(self._model_arg, dtype=self.dtype, lazy_experts=lazy)
         log.info("model ready in %.1f s", time.monotonic() - started)
         return model
+
+    def _plan_experts(self) -> ExpertPolicy | None:
+        """Resident or tiered (expert_plan), and the policy that keeps the heat (None
+        for a dense model). A budget too small for the model raises ValueError here."""
+        from .model.expert_source import with_packed_experts
+
+        model, settings = self.model, self.expert_settings
+        cfg = model.config
+        itemsize = model.weights["lm_head"].dtype.itemsize
+        plan = self.expert_plan = plan_experts(cfg, settings, itemsize, shared_weight_bytes(model.weights))
+        if not cfg.is_moe:
+            return None
+        if plan.mode == "resident" and not model.experts_packed:
+            self.model = model = with_packed_experts(model)
+        log.info("experts %s: %d of %d per layer on the device%s", plan.mode, plan.pool_slots, plan.experts,
+                 "" if plan.ram_capacity is None else f", at most {plan.ram_capacity} in RAM")
+        path = settings.heat_file
+        if path is None and plan.mode == "tiered":
+            path = default_heat_path(model.path, settings.heat_cache_dir)
+        if path is not None:
+            fingerprint = f"{cfg.arch}/{model.name}/{plan.layers}x{plan.experts}/d{cfg.hidden_size}"
+            self.heat_file = HeatFile(path, fingerprint)
+        heat = ExpertCache.read_heat(self.heat_file, (plan.layers, plan.experts))
+        policy_settings = PolicySettings(kind=settings.policy, prefetch=settings.prefetch)
+        return ExpertPolicy(plan.layers, plan.experts, plan.pool_slots, cfg.n_experts_per_tok,
+                            plan.ram_capacity, policy_settings, heat)
 
     async def __aenter__(self) -> Engine:
         self._nursery_cm = trio.open_nursery()
@@ -282,6 +332,20 @@ class Engine:
         """The expert map now: heat per (MoE layer, expert), the experts routed in the
         last few steps, the last turn's routing entropy."""
         return self._experts.state()
+
+    def expert_tiers(self) -> ExpertTiers:
+        """Where the experts are now (after the last step): per (MoE layer, expert) its
+        tier, counts and bytes per tier, pool hits and prefetch accuracy so far."""
+        return self._experts.tiers
+
+    async def save_expert_heat(self):
+        """Write the heat file now (it is also written at turn ends, at most every 30 s,
+        and at shutdown); the path written, or None when there is none to write."""
+        if self._expert_cache is None:
+            return None
+        reply, answer = open_reply()
+        await self._expert_cache.inbox.send.send(SaveHeat(reply))
+        return await answer.receive()
 
     async def telemetry(self, buffer: int = 64) -> trio.MemoryReceiveChannel:
         """A channel of per-turn Telemetry and per-step StepRouting; a full channel misses

@@ -1,18 +1,30 @@
-"""The device runner: owns the weights, the KV cache and the jitted calls. Its methods
-run in the scheduler's one worker thread; nothing else touches device state."""
+"""The device runner: owns the weights, the KV cache and the jitted calls, and in tiered
+mode the expert pool (the per-layer lookup the forward pass consults). Its methods run in
+the scheduler's one worker thread; nothing else touches device state."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..model.expert_pool import DEVICE, ExpertPool, Placement
+from ..model.expert_source import ArrayExpertReader
 from ..model.generate import decode_step, prefill_slot
 from ..model.kv import KVGeometry, init_kv
 from ..model.model import Model
 from ..model.sampling import request_key, sample
+from ..model.tiered import EXPERT_KEYS, shared_weight_bytes
+from ..model.tiered_model import TieredModel
+from ..runtime.api import ExpertTiers
+from .expert_policy import ExpertPlan
+
+# Loads one placement may start per layer between two steps: re-pinning catches up over
+# a few steps instead of stalling one.
+MAX_MOVES_PER_PLACEMENT = 4
 
 TOP_CANDIDATES = 5
 
@@ -36,13 +48,44 @@ class Sampled:
     experts: np.ndarray  # the experts that computed the token fed in: [MoE layers, k...]
 
 
+@dataclass(frozen=True)
+class ExpertStep:
+    """A device call's expert traffic (tiered mode), and the tiers after it if they moved."""
+
+    lookups: int = 0
+    hits: int = 0
+    moves: tuple[tuple[int, int, int, int], ...] = ()  # layer, expert, old tier, new tier
+    tiers: ExpertTiers | None = None
+    wait_s: float = 0.0  # seconds the step spent moving experts
+    disk_s: float = 0.0  # of those, reading them from the model file
+
+
 class ModelRunner:
-    def __init__(self, model: Model, geo: KVGeometry):
+    def __init__(self, model: Model, geo: KVGeometry, plan: ExpertPlan | None = None, *,
+                 prefetch: bool = True, rank: np.ndarray | None = None):
+        """plan: resident (None) or tiered experts; rank: the initial heat per (MoE layer,
+        expert) the tiered pool starts from (hottest first onto the device)."""
         self.model = model
         self.geo = geo
-        self.kv = init_kv(model.config, geo, model.weights["lm_head"].dtype)
+        cfg = model.config
+        dtype = model.weights["lm_head"].dtype
+        self.kv = init_kv(cfg, geo, dtype)
         # Seconds spent sampling so far: the scheduler splits a step's time with it.
         self.sample_seconds = 0.0
+        self.shared_bytes = shared_weight_bytes(model.weights)
+        self.tiered: TieredModel | None = None
+        self.pool: ExpertPool | None = None
+        # as ExpertMap: a dense model is one always-on expert per layer
+        self.rows, self.cols = (sum(cfg.moe_layers), cfg.n_experts) if cfg.is_moe else (cfg.n_layers, 1)
+        self.totals = np.zeros(5, np.int64)  # lookups, hits, guessed, right, routed
+        if plan is not None and plan.mode == "tiered":
+            reader = model.expert_reader or ArrayExpertReader.from_weights(cfg, model.weights)
+            self.pool = ExpertPool(reader, plan.layers, plan.experts, plan.pool_slots, plan.ram_capacity,
+                                   cfg.hidden_size, cfg.moe_intermediate_size, dtype)
+            self.pool.fill(np.zeros((plan.layers, plan.experts)) if rank is None else rank)
+            self.pool.take_stats()  # the start-up loads are not a step's moves
+            self.tiered = TieredModel(model, self.pool, prefetch=prefetch)
+        self._tiers = self._snapshot()
 
     @staticmethod
     def new_key(seed: int) -> np.ndarray:
@@ -58,6 +101,9 @@ class ModelRunner:
 
     def extend(self, slot: int, ids: list[int], offset: int):
         """Run a chunk into the cache: (logits after its last token, routing [layers, t, k])."""
+        if self.tiered is not None:
+            logits, self.kv, experts = self.tiered.prefill_slot(self.kv, self.geo, slot, ids, offset)
+            return logits, experts
         logits, self.kv, experts = prefill_slot(
             self.model, self.kv, self.geo, slot, ids, offset, with_routing=True
         )
@@ -67,9 +113,12 @@ class ModelRunner:
                rows: list[SamplingRow]) -> list[Sampled]:
         """One batched step: each row feeds its token at its position in its slot, then
         samples its next token."""
-        logits, self.kv, experts = decode_step(
-            self.model, self.kv, self.geo, tokens, slots, positions, with_routing=True
-        )
+        if self.tiered is not None:
+            logits, self.kv, experts = self.tiered.decode_step(self.kv, self.geo, tokens, slots, positions)
+        else:
+            logits, self.kv, experts = decode_step(
+                self.model, self.kv, self.geo, tokens, slots, positions, with_routing=True
+            )
         return self._sample(logits, rows, experts.transpose(1, 0, 2))
 
     def _sample(self, logits, rows: list[SamplingRow], experts: np.ndarray) -> list[Sampled]:
@@ -97,3 +146,55 @@ class ModelRunner:
             )
             for i, r in enumerate(rows)
         ]
+
+    # ---- experts --------------------------------------------------------------------
+
+    def apply_placement(self, placement: Placement) -> None:
+        """The ExpertCache's latest wish, between steps (nothing to do when resident)."""
+        if self.pool is not None:
+            self.pool.apply(placement, MAX_MOVES_PER_PLACEMENT)
+
+    def take_expert_step(self) -> ExpertStep:
+        """The expert traffic since the last take (a step, with any placement before it)."""
+        if self.pool is None:
+            return ExpertStep()
+        stats = self.pool.take_stats()
+        self.totals += (stats.lookups, stats.hits, stats.guessed, stats.guessed_right,
+                        stats.routed_after_guess)
+        moves = tuple((m.layer, m.expert, m.old_tier, m.new_tier) for m in stats.moves)
+        self._tiers = self._snapshot()
+        return ExpertStep(stats.lookups, stats.hits, moves, self._tiers, stats.load_s, stats.read_s)
+
+    def expert_tiers(self) -> ExpertTiers:
+        return self._tiers
+
+    def _snapshot(self) -> ExpertTiers:
+        rows, cols = self.rows, self.cols
+        if self.pool is None:
+            expert_bytes = sum(
+                leaf.nbytes for layer in self.model.weights["layers"] for key, leaf in layer.items()
+                if key in EXPERT_KEYS
+            )
+            n = rows * cols
+            return ExpertTiers("resident", rows, cols, bytes([DEVICE]) * n, n, 0, 0,
+                               (self.shared_bytes + expert_bytes) / 1e9, 0.0, cols, gpus=_gpus(n))
+        pool = self.pool
+        device, ram, disk = pool.counts()
+        pool_bytes = pool.R * pool.C * pool.expert_bytes
+        return ExpertTiers(
+            "tiered", rows, cols, pool.tier_map().tobytes(), device, ram, disk,
+            (self.shared_bytes + pool_bytes) / 1e9, ram * pool.expert_bytes / 1e9, pool.C,
+            *(int(x) for x in self.totals), gpus=_gpus(device),
+        )
+
+
+def _gpus(experts: int) -> tuple[tuple[float, float, int], ...]:
+    """Per GPU: memory used and total (GB, as the device reports them) and experts held
+    (this engine places all on the first). None on a CPU-only host."""
+    gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+    out = []
+    for i, device in enumerate(gpus):
+        stats = device.memory_stats() or {}
+        out.append((stats.get("bytes_in_use", 0) / 1e9, stats.get("bytes_limit", 0) / 1e9,
+                    experts if i == 0 else 0))
+    return tuple(out)

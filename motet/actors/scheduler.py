@@ -39,10 +39,11 @@ from ..runtime.errors import (
     QueueFull,
     SlotBusy,
 )
-from ..runtime.experts import turn_entropy, turn_perf
+from ..runtime.experts import REPIN_KEPT, device_moves, turn_entropy, turn_perf
+from .expert_cache import ExpertCache, TurnEnded
 from .kv_slot import Claim, Extend, KVSlot, Probe, Release
 from .policy import StopMatcher, choose_slot
-from .runner import ModelRunner, Sampled, SamplingRow
+from .runner import ExpertStep, ModelRunner, Sampled, SamplingRow
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,11 @@ class Active:
     sample_s: float = 0.0
     expert_counts: np.ndarray | None = None
     token_ids: list[int] = field(default_factory=list)
+    pool_lookups: int = 0  # tiered experts: unique experts its steps needed
+    pool_hits: int = 0  # of those, on the device already
+    repin: list[tuple[int, int, int, int]] = field(default_factory=list)  # moves onto the device
+    expert_wait_s: float = 0.0  # its steps' seconds moving experts
+    expert_disk_s: float = 0.0  # of those, reading the model file
 
     @property
     def request(self) -> GenerationRequest:
@@ -122,6 +128,14 @@ class Active:
     def count_experts(self, experts: np.ndarray) -> None:
         if self.expert_counts is not None:
             add_routing(self.expert_counts, experts)
+
+    def count_step(self, step: ExpertStep) -> None:
+        self.pool_lookups += step.lookups
+        self.pool_hits += step.hits
+        self.expert_wait_s += step.wait_s
+        self.expert_disk_s += step.disk_s
+        self.repin.extend(device_moves(step.moves))
+        del self.repin[:-REPIN_KEPT]
 
     def sampling_row(self) -> SamplingRow:
         r = self.request
@@ -145,8 +159,10 @@ def _tell(sub: Submit, event) -> bool:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, slots: list[KVSlot], queue_limit: int):
+    def __init__(self, runner: ModelRunner, slots: list[KVSlot], queue_limit: int,
+                 experts: ExpertCache | None = None):
         self.runner = runner
+        self.experts = experts
         self.tokenizer = runner.model.tokenizer
         self.eos = self.tokenizer.eos_ids
         self.slots = slots
@@ -322,23 +338,21 @@ class Scheduler:
         last = act.cursor + len(chunk) == len(prompt)
         started, sampling = time.perf_counter(), self.runner.sample_seconds
         if last:
-            sampled = await trio.to_thread.run_sync(
-                self.runner.prefill, act.slot, chunk, act.cursor, act.sampling_row(),
-                limiter=self.limiter,
+            sampled, step = await self._on_device(
+                self.runner.prefill, act.slot, chunk, act.cursor, act.sampling_row()
             )
         else:
-            _, experts = await trio.to_thread.run_sync(
-                self.runner.extend, act.slot, chunk, act.cursor, limiter=self.limiter
-            )
+            (_, experts), step = await self._on_device(self.runner.extend, act.slot, chunk, act.cursor)
             act.count_experts(experts)
-            self._publish_routing([experts], len(chunk))
+            self._publish_routing([experts], len(chunk), step)
+        act.count_step(step)
         act.sample_s += self.runner.sample_seconds - sampling
         act.prefill_s += time.perf_counter() - started - (self.runner.sample_seconds - sampling)
         act.cursor += len(chunk)
         await self.slots[act.slot].inbox.send.send(Extend(tuple(chunk)))
         if not last or act.rid not in self.active:
             return
-        self._publish_routing([sampled.experts], len(chunk))
+        self._publish_routing([sampled.experts], len(chunk), step)
         self.prefilling.popleft()
         act.position = len(prompt)
         self.decoding.append(act.rid)
@@ -347,24 +361,36 @@ class Scheduler:
     async def _decode_step(self):
         acts = [self.active[rid] for rid in self.decoding]
         started, sampling = time.perf_counter(), self.runner.sample_seconds
-        results = await trio.to_thread.run_sync(
+        results, step = await self._on_device(
             self.runner.decode,
             [a.next_token for a in acts],
             [a.slot for a in acts],
             [a.position for a in acts],
             [a.sampling_row() for a in acts],
-            limiter=self.limiter,
         )
         sample_s = self.runner.sample_seconds - sampling
         decode_s = time.perf_counter() - started - sample_s
-        self._publish_routing([r.experts for r in results], len(acts))
+        self._publish_routing([r.experts for r in results], len(acts), step)
         for act, sampled in zip(acts, results):
+            act.count_step(step)
             act.decode_s += decode_s
             act.sample_s += sample_s
             await self.slots[act.slot].inbox.send.send(Extend((act.next_token,)))
             act.position += 1
             if act.rid in self.active:
                 await self._accept_token(act, sampled)
+
+    async def _on_device(self, call, *args):
+        """Run a runner call in the device thread, after the expert cache's newest
+        placement (if any): (its result, the expert traffic of the call)."""
+        placement = self.experts.newest_placement() if self.experts is not None else None
+
+        def work():
+            if placement is not None:
+                self.runner.apply_placement(placement)
+            return call(*args), self.runner.take_expert_step()
+
+        return await trio.to_thread.run_sync(work, limiter=self.limiter)
 
     # ---- per-token bookkeeping ------------------------------------------------------
 
@@ -438,11 +464,16 @@ class Scheduler:
             total_s=now - act.started,
         )
         telemetry = self._telemetry(act)
-        self._send(act, FinishEvent(stats, tail, telemetry, self._report(stats, telemetry)))
+        self._send(act, FinishEvent(stats, tail, telemetry, self._report(stats, telemetry, act)))
         act.submit.events.close()
         self.clock += 1
         await self.slots[act.slot].inbox.send.send(Release(rid, self.clock))
         self._publish(telemetry)
+        if self.experts is not None:
+            try:
+                self.experts.inbox.send.send_nowait(TurnEnded())
+            except trio.WouldBlock:
+                pass  # the heat is saved at a later turn's end, or at shutdown
         await self._admit_waiting()
 
     async def _admit_waiting(self):
@@ -454,20 +485,30 @@ class Scheduler:
 
     def _telemetry(self, act: Active) -> Telemetry:
         counts = tuple(tuple(int(c) for c in layer) for layer in act.expert_counts)
-        return Telemetry(act.rid, act.prefill_s, act.decode_s, act.sample_s, counts)
+        return Telemetry(act.rid, act.prefill_s, act.decode_s, act.sample_s, counts,
+                         act.expert_wait_s, act.expert_disk_s)
 
-    def _report(self, stats: TurnStats, telemetry: Telemetry) -> TurnReport:
+    def _report(self, stats: TurnStats, telemetry: Telemetry, act: Active) -> TurnReport:
         entropy = turn_entropy(telemetry.expert_counts, self.dense_layers)
-        return TurnReport(turn_perf(stats, telemetry), entropy)
+        hit_pct = 100.0 * act.pool_hits / act.pool_lookups if act.pool_lookups else 100.0
+        return TurnReport(turn_perf(stats, telemetry), entropy, gpus=self.runner.expert_tiers().gpus,
+                          repin=tuple(act.repin), hit_pct=hit_pct)
 
-    def _publish_routing(self, experts: list[np.ndarray], tokens: int):
-        """Tell subscribers which experts a step used ([MoE layers, ...] ids per part)."""
-        if not self.telemetry_subscribers:
+    def _publish_routing(self, experts: list[np.ndarray], tokens: int, step: ExpertStep):
+        """Tell the expert cache and subscribers which experts a step used ([MoE layers,
+        ...] ids per part), and its pool traffic."""
+        if self.experts is None and not self.telemetry_subscribers:
             return
         counts = self.expert_zeros.copy()
         for part in experts:
             add_routing(counts, part)
-        self._publish(StepRouting(tuple(tuple(int(c) for c in row) for row in counts), tokens))
+        if self.experts is not None and counts.size:
+            self.experts.observe_nowait(counts)
+        if self.telemetry_subscribers:
+            self._publish(StepRouting(
+                tuple(tuple(int(c) for c in row) for row in counts), tokens,
+                step.lookups, step.hits, step.moves, step.tiers,
+            ))
 
     def _publish(self, event: Telemetry | StepRouting):
         for ch in list(self.telemetry_subscribers):

@@ -14,7 +14,7 @@ import trio
 from ..protocol import mux
 from ..runtime.api import FinishEvent, StepRouting, TokenEvent
 from ..runtime.errors import BadRequest, ContextExceeded, EngineError, NotFound
-from ..runtime.experts import HITS_EVERY, ExpertMap
+from ..runtime.experts import HITS_EVERY, ExpertMap, device_moves
 from .bridge import Intake, cpu_name, rss_gb
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class StdioBridge:
         self.out_send, self.out_receive = trio.open_memory_channel(1024)
         self.intake = Intake()
         self.experts = ExpertMap.for_model(engine.model.config)
-        self.weights_gb = engine.model.info()["weight_bytes"] / 1e9
+        self.experts.set_tiers(engine.expert_tiers())
 
     async def run(self) -> None:
         """Until stdin ends (or a bad frame): then in-flight requests finish first."""
@@ -59,6 +59,9 @@ class StdioBridge:
             async for event in routing:
                 if isinstance(event, StepRouting):
                     self.experts.add_step(event)
+                    repin = b"".join(mux.encode_telemetry("REPIN", *move) for move in device_moves(event.moves))
+                    if repin:
+                        await self._write(repin)
                     steps += 1
                     if steps % HITS_EVERY == 0:
                         await self._write(self._hits_line())
@@ -76,14 +79,23 @@ class StdioBridge:
 
     def _hwinfo(self) -> bytes:
         vm = psutil.virtual_memory()
+        gpus = self.experts.tiers.gpus  # the engine's view of its GPUs (none on a CPU host)
         return mux.encode_telemetry(
-            "HWINFO", os.cpu_count(), f"{vm.total / 1e9:.1f}", f"{vm.available / 1e9:.1f}", 0, "0.0",
-            f"{cpu_name()}|",
+            "HWINFO", os.cpu_count(), f"{vm.total / 1e9:.1f}", f"{vm.available / 1e9:.1f}", len(gpus),
+            f"{sum(total for _, total, _ in gpus):.1f}", f"{cpu_name()}|",
         )
 
     def _tiers(self) -> bytes:
-        n = self.experts.rows * self.experts.cols
-        return mux.encode_telemetry("TIERS", n, 0, 0, f"{self.weights_gb:.2f}", "0.00")
+        tiers = self.experts.tiers
+        return mux.encode_telemetry(
+            "TIERS", *self.experts.tier_counts(), f"{tiers.device_gb:.2f}", f"{tiers.ram_gb:.2f}"
+        )
+
+    @staticmethod
+    def _gpus(gpus) -> bytes:
+        return mux.encode_telemetry(
+            "GPUS", len(gpus), *(x for used, total, n in gpus for x in (f"{used:.2f}", f"{total:.2f}", n))
+        )
 
     async def _handshake(self):
         await self._write(
@@ -183,13 +195,13 @@ class StdioBridge:
             "TURN", rid, stats.slot, stats.reused_tokens, f"{stats.time_to_first_token_s:.4f}"
         )
         done = mux.Done(
-            rid, stats.emitted_tokens, stats.decode_tokens_per_s, 100.0, rss_gb(),
+            rid, stats.emitted_tokens, stats.decode_tokens_per_s, report.hit_pct, rss_gb(),
             stats.prompt_tokens, stats.finish_reason == "length",
         )
         await self._write(
             tail + turn + self._hwinfo() + perf
             + mux.encode_telemetry("ENTROPY", *(f"{h:.3f}" for h in report.entropy))
-            + mux.encode_telemetry("GPUS", 0) + self._tiers() + self._emap()
+            + self._gpus(report.gpus) + self._tiers() + self._emap()
             + self._hits_line()
             + mux.encode_done(done)
         )

@@ -38,20 +38,24 @@ def gguf_metadata(reader) -> dict[str, object]:
     return meta
 
 
-def dequantize_tensor(path: Path, tensor) -> np.ndarray:
-    """A tensor as float32 in numpy (row-major, GGUF's dims reversed)."""
+def dequantize_tensor(path: Path, tensor, index: int | None = None) -> np.ndarray:
+    """A tensor as float32 in numpy (row-major, GGUF's dims reversed); with `index`,
+    only that slice of its first axis (one expert of a stacked tensor, read alone)."""
     import gguf
     from gguf import GGMLQuantizationType as Q
 
     shape = tuple(int(d) for d in reversed(tensor.shape))
+    data = tensor.data
+    if index is not None:
+        shape, data = shape[1:], data[index]
     kind = tensor.tensor_type
     if kind == Q.F32:
-        out = np.asarray(tensor.data, dtype=np.float32)
+        out = np.asarray(data, dtype=np.float32)
     elif kind in (Q.F16, Q.F64, Q.I8, Q.I16, Q.I32):
-        out = np.asarray(tensor.data).astype(np.float32)
+        out = np.asarray(data).astype(np.float32)
     else:
         try:
-            out = gguf.quants.dequantize(tensor.data, kind)
+            out = gguf.quants.dequantize(data, kind)
         except NotImplementedError as exc:
             raise UnsupportedModelError(
                 f"{path}: tensor {tensor.name!r} uses quantization {kind.name}, "
@@ -143,3 +147,10 @@ class GGUFSource:
         if self.permuted_rope_heads and kind in ("q", "k"):
             w = unpermute_rope_rows(w, self.permuted_rope_heads[kind == "k"])
         return w
+
+    def get_expert(self, name: str, e: int) -> np.ndarray:
+        """Expert e of a stacked expert tensor, dequantized alone (the file is mmapped)."""
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise ModelFileError(f"{self.path}: tensor {_gguf_name(name)!r} not found")
+        return dequantize_tensor(self.path, tensor, e)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from .chat_template import CHATML_TEMPLATE, render_chat
 from .config import config_from_gguf, config_from_hf
 from .errors import ModelFileError, UnsupportedModelError
+from .expert_source import SourceExpertReader
 from .gguf_file import GGUF_MAGIC, GGUFSource, gguf_metadata, open_gguf
 from .model import Model
 from .safetensors_dir import SafetensorsSource
@@ -43,7 +44,10 @@ def default_model_path() -> Path:
     return path
 
 
-def load_model(path: str | Path | None = None, dtype: str = "float32", max_context: int | None = None) -> Model:
+def load_model(path: str | Path | None = None, dtype: str = "float32", max_context: int | None = None,
+               lazy_experts: bool = False) -> Model:
+    """lazy_experts: leave a MoE model's experts in the (mmapped) file, for a tiered
+    expert pool to read one at a time; the model then has an `expert_reader`."""
     if dtype not in DTYPES:
         raise UnsupportedModelError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     path = default_model_path() if path is None else Path(path)
@@ -58,9 +62,13 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", max_conte
         if max_context < 1:
             raise ValueError(f"max_context must be positive, got {max_context}")
         cfg = replace(cfg, max_context=max_context)
-    weights = pack_weights(cfg, source, DTYPES[dtype])
-    log.info("loaded %s (%s, %s) in %.1f s", path, cfg.arch, dtype, time.monotonic() - started)
-    return Model(config=cfg, weights=weights, tokenizer=tokenizer, path=path, dtype=dtype)
+    lazy = lazy_experts and cfg.is_moe
+    weights = pack_weights(cfg, source, DTYPES[dtype], experts=not lazy)
+    log.info("loaded %s (%s, %s%s) in %.1f s", path, cfg.arch, dtype,
+             ", experts left in the file" if lazy else "", time.monotonic() - started)
+    reader = SourceExpertReader(cfg, source) if lazy else None
+    return Model(config=cfg, weights=weights, tokenizer=tokenizer, path=path, dtype=dtype,
+                 expert_reader=reader)
 
 
 def _open_file(path: Path):

@@ -24,6 +24,14 @@ class Model:
     tokenizer: Tokenizer
     path: Path
     dtype: str
+    # Set when the experts were left in the model file (load_model(lazy_experts=True)):
+    # they are read one by one into a tiered ExpertPool, and `weights` has none.
+    expert_reader: object | None = None
+
+    @property
+    def experts_packed(self) -> bool:
+        """Whether `weights` holds every expert (False: only a tiered runner can run it)."""
+        return self.expert_reader is None or not self.config.is_moe
 
     @property
     def name(self) -> str:
@@ -49,6 +57,8 @@ class Model:
         n = len(ids)
         if n == 0:
             raise ValueError("logits() needs at least one token")
+        if not self.experts_packed:
+            raise ValueError("this model's experts are tiered (lazy_experts): run it through a TieredModel")
         if n > self.config.max_context:
             raise ContextLengthError(n, self.config.max_context)
         padded = np.zeros(bucket(n), np.int32)
@@ -74,7 +84,14 @@ class Model:
             "moe_layers": sum(cfg.moe_layers),
             "vocab_size": cfg.vocab_size,
             "max_context": cfg.max_context,
-            "parameters": count_parameters(self.weights),
+            "parameters": count_parameters(self.weights) + self._unpacked_expert_parameters(),
             "weight_bytes": weight_bytes(self.weights),
             "dtype": self.dtype,
         }
+
+    def _unpacked_expert_parameters(self) -> int:
+        if self.experts_packed:
+            return 0
+        cfg = self.config
+        per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        return sum(cfg.moe_layers) * cfg.n_experts * per_expert

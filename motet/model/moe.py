@@ -93,14 +93,17 @@ def moe_ffn(cfg: ModelConfig, layer: dict, x: jax.Array, impl: str = "auto"):
     """(output [t, d], the chosen expert ids [t, k])."""
     weights, ids = route(cfg, layer["router"], x)
     gate_up, down = layer["experts_gate_up"], layer["experts_down"]
+    # A tiered layer holds a pool of expert slots and an expert → slot table (-1: not on
+    # the device, read as slot 0: a step that needed such an expert is thrown away).
+    slots = jnp.maximum(layer["expert_slots"][ids], 0) if "expert_slots" in layer else ids
     if impl == "auto":
         impl = "grouped" if jax.default_backend() == "cpu" else "ragged"
     if impl == "ragged":
-        return experts_ragged(x, weights, ids, gate_up, down), ids
+        return experts_ragged(x, weights, slots, gate_up, down), ids
     if impl != "grouped":
         raise ValueError(f"unknown MoE implementation {impl!r}; choose from {MOE_IMPLS}")
     block = group_block(ids.size, cfg.n_experts)
-    return experts_grouped(x, weights, ids, gate_up, down, block), ids
+    return experts_grouped(x, weights, slots, gate_up, down, block), ids
 
 
 def dense_ffn(layer: dict, x: jax.Array) -> jax.Array:

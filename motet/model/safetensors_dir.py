@@ -156,6 +156,24 @@ class SafetensorsSource:
         except KeyError:
             raise ModelFileError(f"{self.path}: tensor {name!r} not found in the safetensors files") from None
 
+    def get_expert(self, name: str, e: int) -> np.ndarray:
+        """Expert e of a stacked canonical tensor (`<layer>.experts.gate|up|down`), read
+        alone: the other experts' bytes are never touched (the files are mmapped)."""
+        layer, _, rest = name.partition(".")
+        kind = rest.removeprefix("experts.")
+        if name in self.files:
+            st, hf_name = self.files[name]
+            return st.array(hf_name)[e]
+        if kind in ("gate", "up") and f"{layer}.experts.gate_up" in self.files:
+            st, hf_name = self.files[f"{layer}.experts.gate_up"]
+            fused = st.array(hf_name)[e]
+            f = fused.shape[0] // 2
+            return fused[:f] if kind == "gate" else fused[f:]
+        if f"{layer}.expert.{e}.{kind}" in self.files:
+            st, hf_name = self.files[f"{layer}.expert.{e}.{kind}"]
+            return st.array(hf_name)
+        raise ModelFileError(f"{self.path}: expert {e} of {name!r} not found in the safetensors files")
+
     def _locate(self, name: str):
         if name in self.files:
             st, hf_name = self.files[name]

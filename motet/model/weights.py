@@ -47,7 +47,9 @@ def _put(array: np.ndarray, dtype) -> jax.Array:
     return jnp.asarray(array, dtype=dtype)
 
 
-def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32) -> dict:
+def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, experts: bool = True) -> dict:
+    """experts=False leaves the experts out (a tiered model reads them one by one from
+    the source when the expert pool needs them); the routers are always packed."""
     d, hd = cfg.hidden_size, cfg.head_dim
     q_out, kv_out = cfg.n_heads * hd, cfg.n_kv_heads * hd
     f32 = jnp.float32
@@ -85,9 +87,12 @@ def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32) -> d
             layer["k_norm"] = _put(_get(source, p + "k_norm", (k_norm,)), f32)
         if cfg.moe_layers[i]:
             e, f = cfg.n_experts, cfg.moe_intermediate_size
+            layer["router"] = _put(_get(source, p + "router", (e, d)).T, f32)
+            if not experts:
+                weights["layers"].append(layer)
+                continue
             gate = _get(source, p + "experts.gate", (e, f, d))
             up = _get(source, p + "experts.up", (e, f, d))
-            layer["router"] = _put(_get(source, p + "router", (e, d)).T, f32)
             layer["experts_gate_up"] = _put(
                 np.concatenate([gate, up], axis=1).transpose(0, 2, 1), dtype
             )

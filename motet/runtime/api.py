@@ -79,15 +79,62 @@ class Telemetry:
     decode_s: float
     sample_s: float
     expert_counts: tuple[tuple[int, ...], ...] = ()  # per MoE layer, per expert: routed tokens
+    expert_wait_s: float = 0.0  # tiered: seconds its steps spent moving experts onto the device
+    expert_disk_s: float = 0.0  # of those, reading experts from the model file
+
+
+@dataclass(frozen=True)
+class ExpertTiers:
+    """Where a model's experts are now: a byte per (MoE layer, expert), row-major, 0 disk,
+    1 host RAM, 2 device; the counts per tier (they sum to layers × experts) and the
+    bytes on the device (all weights there) and in RAM (experts); pool lookups and
+    prefetch guesses since start. A resident model has every expert on the device."""
+
+    mode: str  # "resident" or "tiered"
+    rows: int
+    cols: int
+    tiers: bytes
+    device: int
+    ram: int
+    disk: int
+    device_gb: float
+    ram_gb: float
+    pool_slots: int  # device slots per MoE layer
+    lookups: int = 0  # unique (layer, expert) pairs steps needed
+    hits: int = 0  # of those, already on the device
+    guessed: int = 0  # experts named by prefetch guesses
+    guessed_right: int = 0  # of those, routed by their layer
+    routed_after_guess: int = 0  # experts routed by layers that had a guess
+    gpus: tuple[tuple[float, float, int], ...] = ()  # per GPU: used GB, total GB, experts
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 1.0
+
+    @property
+    def prefetch_recall(self) -> float | None:
+        """Of the experts a guessed layer routed to, the share the guess named."""
+        return self.guessed_right / self.routed_after_guess if self.routed_after_guess else None
+
+    @property
+    def prefetch_precision(self) -> float | None:
+        """Of the experts guesses named, the share their layer routed to."""
+        return self.guessed_right / self.guessed if self.guessed else None
 
 
 @dataclass(frozen=True)
 class StepRouting:
     """The experts one device step routed to, summed over its rows: per MoE layer, per
-    expert, tokens (for a dense model: no rows, and `tokens` says how many ran)."""
+    expert, tokens (for a dense model: no rows, and `tokens` says how many ran).
+    Tiered: the step's pool lookups and hits, its moves (layer, expert, old tier, new
+    tier), and the tiers after it when they changed."""
 
     counts: tuple[tuple[int, ...], ...]
     tokens: int
+    lookups: int = 0
+    hits: int = 0
+    moves: tuple[tuple[int, int, int, int], ...] = ()
+    tiers: ExpertTiers | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +160,7 @@ class TurnReport:
     entropy: tuple[float, ...]  # per MoE layer, bits
     gpus: tuple[tuple[float, float, int], ...] = ()  # per device: used GB, total GB, experts
     repin: tuple[tuple[int, int, int, int], ...] = ()  # layer, expert, old tier, device
+    hit_pct: float = 100.0  # the turn's expert pool hit rate (100 when all are resident)
 
 
 @dataclass(frozen=True)
@@ -126,6 +174,10 @@ class ExpertState:
     hits: bytes
     seq: int
     entropy: tuple[float, ...]
+    tiers: tuple[int, int, int] = ()  # experts on the device, in RAM, on disk
+    repin: tuple[tuple[int, int, int, int], ...] = ()  # recent: layer, expert, old tier, device
+    hit_rate: float | None = None  # pool hits / lookups since start (None: never looked up)
+    prefetch_recall: float | None = None  # see ExpertTiers
 
 
 @dataclass(frozen=True)

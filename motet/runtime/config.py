@@ -34,3 +34,39 @@ class SamplingSettings:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+EXPERT_MODES = ("auto", "resident", "tiered")
+
+
+@dataclass(frozen=True)
+class ExpertSettings:
+    """Where a MoE model's experts live. `auto` keeps every expert on the device unless a
+    budget (experts per layer, or device GB) says they do not fit; then the model runs
+    tiered: a pool of experts per layer on the device, the rest in host RAM (up to
+    ram_gb; None: no limit) and on disk (read from the mmapped model file)."""
+
+    mode: str = "auto"
+    device_experts_per_layer: int | None = None  # None or 0: no limit
+    device_gb: float | None = None  # the device budget for weights (shared + expert pools)
+    ram_gb: float | None = None  # host RAM for experts off the device; None: no limit
+    # Heat persists here; None: next to the model in tiered mode (a cache folder when the
+    # model's folder is read-only), nowhere in resident mode.
+    heat_file: Path | None = None
+    heat_cache_dir: Path = Path.home() / ".cache" / "motet" / "heat"
+    policy: str = "heat"  # "heat" or "lru"
+    prefetch: bool = True
+
+    def __post_init__(self):
+        if self.mode not in EXPERT_MODES:
+            raise ValueError(f"expert mode must be one of {', '.join(EXPERT_MODES)}, got {self.mode!r}")
+        if self.device_experts_per_layer is not None and self.device_experts_per_layer < 0:
+            raise ValueError(f"device experts per layer must be >= 0, got {self.device_experts_per_layer}")
+        for name in ("device_gb", "ram_gb"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.heat_file is not None:
+            object.__setattr__(self, "heat_file", Path(self.heat_file))
+        if self.policy not in ("heat", "lru"):
+            raise ValueError(f"expert policy must be heat or lru, got {self.policy!r}")
