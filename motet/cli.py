@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     servep.add_argument("--queue-limit", type=int, default=64, help="requests waiting for a slot (past it: 429)")
     servep.add_argument("--web-dir", type=Path, default=None, help="the folder served at / (default: the repo's web/)")
     servep.add_argument("--engine-cmd", default=None, help='a mux engine to drive, e.g. "motet mux"')
+    servep.add_argument("--expert-cap", dest="expert_cache", type=int, default=None,
+                        help="experts per MoE layer on the device (EXPERT_CAP; 0 or absent: no limit)")
+    _add_expert_flags(servep)
     _add_model_flags(servep)
     return parser
 
@@ -120,7 +123,7 @@ def sampling_settings(args) -> SamplingSettings:
                             top_p=args.top_p, seed=args.seed)
 
 
-def open_model(settings: ModelSettings):
+def open_model(settings: ModelSettings, lazy_experts: bool = False):
     import jax
 
     if settings.compile_cache is not None:
@@ -129,7 +132,8 @@ def open_model(settings: ModelSettings):
     from .model import load_model
 
     log.info("loading %s", settings.path or "the default model (SmolLM2-135M-Instruct)")
-    return load_model(settings.path, dtype=settings.dtype, max_context=settings.max_context)
+    return load_model(settings.path, dtype=settings.dtype, max_context=settings.max_context,
+                      lazy_experts=lazy_experts)
 
 
 def cmd_info(args) -> int:
@@ -314,9 +318,11 @@ def cmd_serve(args) -> int:
         host=args.host, port=args.port, kv_slots=args.kv_slots, max_context=args.max_context or 4096,
         queue_limit=args.queue_limit, api_key=args.api_key or os.environ.get("MOTET_API_KEY") or None,
         allow_insecure_bind=args.allow_insecure_bind, cors_origins=tuple(args.cors_origin),
-        max_body_bytes=args.max_body_bytes, engine_cmd=args.engine_cmd, model_path=args.model, **extra,
+        max_body_bytes=args.max_body_bytes, engine_cmd=args.engine_cmd, model_path=args.model,
+        experts=expert_settings(args, os.environ), **extra,
     )  # checked (e.g. no key on a public address) before the model loads
-    model = open_model(model_settings(args)) if args.engine_cmd is None else None
+    lazy = settings.experts.mode != "resident"  # tiered or not is decided once the model is known
+    model = open_model(model_settings(args), lazy) if args.engine_cmd is None else None
     return run(settings, model)
 
 

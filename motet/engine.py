@@ -39,8 +39,9 @@ from .runtime.api import (
     TokenEvent,
 )
 from .runtime.config import ExpertSettings
-from .runtime.errors import Cancelled, EngineClosed, EngineError, NotFound
+from .runtime.errors import BadRequest, Cancelled, EngineClosed, EngineError, NotFound
 from .runtime.experts import HITS_EVERY, ExpertMap, turn_entropy
+from .runtime.service import Service
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class EventStream:
         return event
 
 
-class Engine:
+class Engine(Service):
     def __init__(
         self,
         model: Model | str | Path | None = None,
@@ -185,33 +186,11 @@ class Engine:
         return ExpertPolicy(plan.layers, plan.experts, plan.pool_slots, cfg.n_experts_per_tok,
                             plan.ram_capacity, policy_settings, heat)
 
-    async def __aenter__(self) -> Engine:
-        self._nursery_cm = trio.open_nursery()
-        nursery = await self._nursery_cm.__aenter__()
-        try:
-            await self.start(nursery)
-        except BaseException as exc:
-            nursery.cancel_scope.cancel()
-            try:
-                await self._nursery_cm.__aexit__(type(exc), exc, exc.__traceback__)
-            except BaseExceptionGroup as group:
-                if group.exceptions != (exc,):
-                    raise
-            raise  # a model that cannot load surfaces as its own error, not a group
-        return self
+    async def _close(self) -> None:
+        await self.drain()  # requests in flight finish first
 
-    async def __aexit__(self, exc_type, exc, tb):
-        try:
-            if exc is None:
-                await self.drain()  # requests in flight finish first
-            self._nursery.cancel_scope.cancel()
-            return await self._nursery_cm.__aexit__(exc_type, exc, tb)
-        except BaseExceptionGroup as group:
-            if exc is not None and group.exceptions == (exc,):
-                return False  # the caller's own exception, unwrapped from the nursery's group
-            raise
-        finally:
-            self._closed = True
+    def _closed_now(self) -> None:
+        self._closed = True
 
     async def drain(self) -> None:
         """Refuse new requests and wait until every request in flight has finished."""
@@ -255,6 +234,10 @@ class Engine:
     def encode(self, prompt: str | list[int] | tuple[int, ...]) -> tuple[int, ...]:
         if not isinstance(prompt, str):
             return tuple(int(t) for t in prompt)
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: no text a tokenizer can read
+            raise BadRequest("the prompt is not valid Unicode text (it holds a lone surrogate)") from None
         tok = self.model.tokenizer
         add_bos = tok.add_bos and not (tok.bos_token and prompt.startswith(tok.bos_token))
         return tuple(tok.encode(prompt, add_special=add_bos))

@@ -40,6 +40,7 @@ from .runtime.api import (Completion, EngineStatistics, ExpertState, FinishEvent
                           Perf, TokenEvent, TopCandidate, TurnReport, TurnStats)
 from .runtime.errors import (BadRequest, Cancelled, ContextExceeded, DuplicateId, EmptyPrompt,
                              EngineClosed, EngineError, NotFound, QueueFull, SlotBusy)
+from .runtime.service import Service
 
 log = logging.getLogger(__name__)
 READ_SIZE = 65536
@@ -191,7 +192,7 @@ class MuxStream:
         return FinishEvent(stats, tail, None, report)
 
 
-class MuxEngine:
+class MuxEngine(Service):
     """`command` (a string is split as a shell would) runs with `env` over the caller's
     environment and SERVE=1 SERVE_BATCH=1 SERVE_TOPK=1 KV_SLOTS=kv_slots. `chat_model`:
     whose chat template render_chat uses (default: SNAP, else the default model)."""
@@ -249,33 +250,11 @@ class MuxEngine:
             self._on_event(event)
         self._nursery = nursery
 
-    async def __aenter__(self) -> MuxEngine:
-        self._nursery_cm = trio.open_nursery()
-        nursery = await self._nursery_cm.__aenter__()
-        try:
-            await self.start(nursery)
-        except BaseException as exc:
-            nursery.cancel_scope.cancel()
-            try:
-                await self._nursery_cm.__aexit__(type(exc), exc, exc.__traceback__)
-            except BaseExceptionGroup as group:
-                if group.exceptions != (exc,):
-                    raise
-            raise  # the start error itself, not a group
-        return self
+    async def _close(self) -> None:
+        await self.aclose()
 
-    async def __aexit__(self, exc_type, exc, tb):
-        try:
-            if exc is None:
-                await self.aclose()
-            self._nursery.cancel_scope.cancel()  # kills the child if it is still there
-            return await self._nursery_cm.__aexit__(exc_type, exc, tb)
-        except BaseExceptionGroup as group:
-            if exc is not None and group.exceptions == (exc,):
-                return False  # the caller's own exception, unwrapped from the nursery's group
-            raise
-        finally:
-            self._closing = True
+    def _closed_now(self) -> None:
+        self._closing = True
 
     async def drain(self) -> None:
         """Refuse new requests and wait until every request in flight has finished."""

@@ -773,3 +773,35 @@ async def test_a_model_that_cannot_load_raises_its_own_error(tmp_path):
         with pytest.raises(ModelFileError, match="missing.gguf"):
             async with Engine(missing):
                 pass
+
+
+async def test_a_cancel_while_draining_still_ends_the_engine(llama):
+    """Leaving the block drains; a cancel that lands meanwhile cancels what still runs
+    instead of leaving the engine's tasks behind."""
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as outer:
+            with trio.CancelScope() as scope:
+                async with Engine(llama, **TINY) as engine:
+                    decoding = trio.Event()
+
+                    async def consume():
+                        try:
+                            async with engine.stream("hello there", max_tokens=200) as events:
+                                async for _ in events:
+                                    decoding.set()
+                                    if engine.statistics().closing:  # the drain has begun
+                                        scope.cancel()
+                        except EngineClosed:
+                            pass
+
+                    outer.start_soon(consume)
+                    await decoding.wait()
+    assert scope.cancelled_caught
+
+
+async def test_a_prompt_with_a_lone_surrogate_is_a_bad_request(llama):
+    with trio.fail_after(TIMEOUT):
+        async with Engine(llama, **TINY) as engine:
+            with pytest.raises(BadRequest, match="surrogate"):
+                await engine.complete("hello \ud800 there", max_tokens=4)
+            assert (await engine.complete("hello there", max_tokens=4)).stats.emitted_tokens > 0

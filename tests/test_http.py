@@ -34,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from motet.engine import Engine
 from motet.http.serve import open_engine, serve_app
 from motet.http.settings import ServeSettings
+from motet.runtime.config import ExpertSettings
 
 TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16)  # as tests/test_engine.py
 SMOL = dict(kv_slots=16, max_context=512, prefill_chunk=64)
@@ -481,3 +482,23 @@ async def test_a_mux_engine_behind_the_server_is_started_again_when_it_dies():
     assert len(first.choices[0].logprobs.content[0].top_logprobs) == 2
     assert down.status_code == 503 and up.status_code == 200
     assert again.choices[0].message.content == first.choices[0].message.content
+
+
+async def test_tiered_experts_agree_across_metrics_and_the_expert_map(tiny_model, tmp_path):
+    """A MoE model served with 2 experts per layer on the device: /metrics' experts per
+    tier and /experts' map tell the same story, and answering moves experts."""
+    experts = ExpertSettings(device_experts_per_layer=2, heat_file=tmp_path / "heat")
+    engine_kw = dict(kv_slots=2, max_context=256, prefill_chunk=16, experts=experts)
+    async with engine_server(tiny_model("olmoe"), engine_kw) as (engine, url):
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
+            r = await client.post("/v1/completions", json={"model": "m", "prompt": "the sea", "max_tokens": 12,
+                                                           "temperature": 0})
+            assert r.status_code == 200 and r.json()["colibri"]["stats"]["emitted_tokens"] > 0
+            state = (await client.get("/experts")).json()
+            text = (await client.get("/metrics")).text
+    rows, cols = state["rows"], state["cols"]
+    tiers = [b >> 6 for b in bytes.fromhex(state["map"])]
+    per_tier = {name: metric(text, "motet_experts", tier=name) for name in ("device", "ram", "disk")}
+    assert tiers.count(2) == per_tier["device"] == rows * 2  # the pools are full after a turn
+    assert tiers.count(1) == per_tier["ram"] and tiers.count(0) == per_tier["disk"]
+    assert sum(per_tier.values()) == rows * cols

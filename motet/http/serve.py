@@ -76,7 +76,7 @@ async def open_engine(settings: ServeSettings, model):
         from ..engine import Engine
 
         async with Engine(model, kv_slots=settings.kv_slots, max_context=settings.max_context,
-                          queue_limit=settings.queue_limit) as engine:
+                          queue_limit=settings.queue_limit, experts=settings.experts) as engine:
             yield engine
         return
     from ..mux_engine import MuxEngine

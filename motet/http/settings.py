@@ -9,6 +9,7 @@ from pathlib import Path
 
 import motet
 
+from ..runtime.config import ExpertSettings
 from .openai_schema import MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOPS, Limits
 
 DEFAULT_WEB_DIR = Path(motet.__file__).resolve().parent.parent / "web"
@@ -37,6 +38,7 @@ class ServeSettings:
     body_timeout_s: float = 30.0  # a request body not read in full by then: 408
     header_timeout_s: float = 10.0  # a connection idle before its headers are complete
     max_header_bytes: int = 16 << 10
+    experts: ExpertSettings = ExpertSettings()  # where a MoE model's experts live (in-process)
     # What one request may ask (past a limit: a 400 naming the field); max_tokens is
     # bounded by max_context
     max_messages: int = MAX_MESSAGES
