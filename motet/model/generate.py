@@ -50,6 +50,18 @@ def prefill_slot(model: Model, kv, geo: KVGeometry, slot: int, ids: Sequence[int
     return logits, (k, v)
 
 
+def padded_rows(geo: KVGeometry, tokens, slots, positions):
+    """A decode step's rows padded to a batch bucket; padding rows write to the scratch
+    slot. Host arrays (tokens, slots, positions), int32."""
+    n = len(tokens)
+    b = batch_bucket(n)
+    tok = np.zeros(b, np.int32)
+    slot = np.full(b, geo.scratch_slot, np.int32)
+    pos = np.zeros(b, np.int32)
+    tok[:n], slot[:n], pos[:n] = tokens, slots, positions
+    return tok, slot, pos
+
+
 def decode_step(model: Model, kv, geo: KVGeometry, tokens: Sequence[int], slots: Sequence[int],
                 positions: Sequence[int], moe_impl: str = "auto", with_routing: bool = False):
     """One batched step: row i feeds tokens[i] at positions[i] of slots[i].
@@ -59,11 +71,7 @@ def decode_step(model: Model, kv, geo: KVGeometry, tokens: Sequence[int], slots:
     the chosen experts [MoE layers, rows, k].
     """
     n = len(tokens)
-    b = batch_bucket(n)
-    tok = np.zeros(b, np.int32)
-    slot = np.full(b, geo.scratch_slot, np.int32)
-    pos = np.zeros(b, np.int32)
-    tok[:n], slot[:n], pos[:n] = tokens, slots, positions
+    tok, slot, pos = padded_rows(geo, tokens, slots, positions)
     k, v = kv
     logits, new_k, new_v, chosen = decode(
         model.weights, k, v, jnp.asarray(tok), jnp.asarray(slot), jnp.asarray(pos),

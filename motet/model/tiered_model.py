@@ -26,7 +26,8 @@ import numpy as np
 from .errors import ContextLengthError
 from .expert_pool import ExpertPool
 from .forward import decode, prefill, write_chunk, write_rows
-from .kv import KVGeometry, batch_bucket, bucket
+from .generate import padded_rows
+from .kv import KVGeometry, bucket
 from .model import Model
 from .tiered import (
     embed_tokens, head, layer_chunk, layer_rows, moe_over_pool, shared_weights, top_weights,
@@ -61,11 +62,7 @@ class TieredModel:
         """As generate.decode_step(with_routing=True): (logits [rows, vocab], kv,
         routing [MoE layers, rows, k])."""
         n = len(tokens)
-        b = batch_bucket(n)
-        tok = np.zeros(b, np.int32)
-        slot = np.full(b, geo.scratch_slot, np.int32)
-        pos = np.zeros(b, np.int32)
-        tok[:n], slot[:n], pos[:n] = tokens, slots, positions
+        tok, slot, pos = padded_rows(geo, tokens, slots, positions)
         tok_d, slot_d, pos_d = jnp.asarray(tok), jnp.asarray(slot), jnp.asarray(pos)
         k_cache, v_cache = kv
         fused = self._fused(n, lambda w: decode(w, k_cache, v_cache, tok_d, slot_d, pos_d,
@@ -79,7 +76,7 @@ class TieredModel:
             x, new_k, new_v, routing = self._layers(tok_d, n, piece)
             logits = head(self.cfg, self.top, x)
         kv = write_rows(k_cache, v_cache, new_k, new_v, slot_d, pos_d)
-        return (logits if n == b else logits[:n]), kv, routing
+        return (logits if n == len(tok) else logits[:n]), kv, routing
 
     def prefill_slot(self, kv, geo: KVGeometry, slot: int, ids: Sequence[int], offset: int):
         """As generate.prefill_slot(with_routing=True): (logits [vocab], kv,
