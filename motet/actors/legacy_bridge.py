@@ -107,9 +107,9 @@ class LegacyBridge:
             extra = (exc.used, exc.limit) if isinstance(exc, ContextExceeded) else ()
             await self.output.send_all(legacy.encode_error(exc.code, *extra))
             return "", None
-        stats = events.finish.stats
+        stats, report = events.finish.stats, events.finish.report
         await self.output.send_all(
-            legacy.encode_end(stats.emitted_tokens, stats.decode_tokens_per_s, 100.0, rss_gb(),
+            legacy.encode_end(stats.emitted_tokens, stats.decode_tokens_per_s, report.hit_pct, rss_gb(),
                                 stats.prompt_tokens, stats.finish_reason == "length")
         )
         return "".join(parts), events.finish
