@@ -27,6 +27,7 @@ from .model.kv import KVGeometry
 from .model.model import Model
 from .model.tiered import shared_weight_bytes
 from .runtime.actor import open_reply, open_stream
+from . import sessions
 from .runtime.api import (
     Completion,
     EngineStatistics,
@@ -34,6 +35,7 @@ from .runtime.api import (
     ExpertTiers,
     FinishEvent,
     GenerationRequest,
+    SlotFile,
     StepRouting,
     Telemetry,
     TokenEvent,
@@ -100,6 +102,7 @@ class Engine(Service):
         self.heat_file: HeatFile | None = None
         self._expert_cache: ExpertCache | None = None
         self.model: Model | None = None
+        self.session_header = None  # what a session file must match (known once loaded)
         self._scheduler: Scheduler | None = None
         # Ids the engine picks live in the top half of u64, so they never meet the small
         # ids callers (and mux clients) choose themselves.
@@ -133,6 +136,7 @@ class Engine(Service):
         self._experts.set_tiers(runner.expert_tiers())
         await nursery.start(self._watch_experts)
         self._nursery = nursery
+        self.session_header = sessions.session_header(self.model, context)
 
     async def _watch_experts(self, *, task_status=trio.TASK_STATUS_IGNORED):
         channel = await self.telemetry(buffer=1024)
@@ -245,14 +249,15 @@ class Engine(Service):
     @asynccontextmanager
     async def stream(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0,
                      top_p: float = 1.0, seed: int | None = None, slot: int | None = None,
-                     stop=(), top_logprobs: int = 0, request_id: int | None = None):
+                     stop=(), top_logprobs: int = 0, request_id: int | None = None,
+                     prefill_only: bool = False):
         """Submit a request; yields its EventStream. Leaving the block early, or a cancel
         of the surrounding scope, cancels the request."""
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         request = GenerationRequest(
             prompt=prompt if isinstance(prompt, str) else tuple(prompt), max_tokens=max_tokens,
             temperature=temperature, top_p=top_p, seed=seed, slot=slot, stop=stop,
-            top_logprobs=top_logprobs, request_id=request_id,
+            top_logprobs=top_logprobs, request_id=request_id, prefill_only=prefill_only,
         )
         rid = request_id if request_id is not None else next(self._ids)
         send, receive = open_stream()
@@ -310,6 +315,46 @@ class Engine(Service):
         """End a request now through its normal finish; NotFound when there is none."""
         if not await self._ask(lambda reply: StopNow(request_id, reply)):
             raise NotFound(request_id)
+
+    # ---- a slot's KV: session files and handovers ----------------------------------------
+
+    async def save_slot(self, slot: int, path: str | Path) -> SlotFile:
+        """Write the slot's tokens and KV to a session file (atomically). The slot must be
+        idle (SlotBusy otherwise); other slots keep decoding meanwhile."""
+        return await sessions.save_slot(self._ask, self.session_header, slot, Path(path))
+
+    async def restore_slot(self, slot: int, path: str | Path) -> SlotFile:
+        """Load a session file into an idle slot. A file made under other settings, or
+        damaged, raises SessionError with the reason, and the slot keeps what it held."""
+        return await sessions.restore_slot(self._ask, self.session_header, slot, Path(path))
+
+    async def erase_slot(self, slot: int) -> int:
+        """Forget an idle slot's history; the number of tokens it held."""
+        return await sessions.erase_slot(self._ask, slot)
+
+    def hold_slot(self, slot: int):
+        """`async with engine.hold_slot(slot) as hold`: the slot kept from requests while
+        its KV is read (`hold.read(layer, tokens)`) or written (`hold.write`), layer by
+        layer; `hold.history` is what it holds, and setting `hold.new_history` says what
+        it holds afterwards."""
+        return sessions.held_slot(self._ask, slot)
+
+    async def install_slot(self, slot: int, tokens, layers) -> None:
+        """Write KV layers (an async iterable of (K, V) [tokens, kv_heads, head_dim]) into
+        an idle slot as they arrive; it holds `tokens` once the last one is in."""
+        await sessions.install(self._ask, slot, tokens, layers)
+
+    async def prefill(self, prompt, *, slot: int | None = None, request_id: int | None = None):
+        """Read a prompt up to its last token (n - 1 tokens into the slot's KV, where a
+        request continuing it resumes) without generating; its TurnStats (finish reason
+        "prefilled")."""
+        async with self.stream(prompt, max_tokens=1, slot=slot, request_id=request_id,
+                               prefill_only=True) as events:
+            async for _ in events:
+                pass
+        if events.finish.stats.finish_reason == "cancelled":
+            raise Cancelled(events.request_id)
+        return events.finish.stats
 
     def expert_state(self) -> ExpertState:
         """The expert map now: heat per (MoE layer, expert), the experts routed in the

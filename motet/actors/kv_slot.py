@@ -30,6 +30,11 @@ class Extend:
 
 
 @dataclass(frozen=True)
+class SetHistory:
+    tokens: tuple[int, ...]  # the KV now resident (a restored session, or () once erased)
+
+
+@dataclass(frozen=True)
 class Release:
     request_id: int
     stamp: int  # the scheduler's clock: larger is more recent
@@ -62,6 +67,8 @@ class KVSlot:
                     reply.send_nowait(keep)
                 case Extend(tokens):
                     self.history += tokens
+                case SetHistory(tokens):
+                    self.history = tokens
                 case Release(request_id, stamp):
                     if self.owner == request_id:
                         self.owner = None

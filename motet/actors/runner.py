@@ -14,7 +14,7 @@ import numpy as np
 from ..model.expert_pool import DEVICE, ExpertPool, Placement
 from ..model.expert_source import ArrayExpertReader
 from ..model.generate import decode_step, prefill_slot
-from ..model.kv import KVGeometry, init_kv
+from ..model.kv import KVGeometry, init_kv, read_slot_layer, write_slot_layer
 from ..model.model import Model
 from ..model.sampling import request_key, sample
 from ..model.tiered import EXPERT_KEYS, shared_weight_bytes
@@ -146,6 +146,14 @@ class ModelRunner:
             )
             for i, r in enumerate(rows)
         ]
+
+    # ---- one slot's KV, layer by layer (sessions and handovers) ---------------------------
+
+    def read_layer(self, slot: int, layer: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        return read_slot_layer(self.kv, layer, slot, tokens)
+
+    def write_layer(self, slot: int, layer: int, k_rows: np.ndarray, v_rows: np.ndarray) -> None:
+        self.kv = write_slot_layer(self.kv, self.geo, layer, slot, k_rows, v_rows)
 
     # ---- experts --------------------------------------------------------------------
 

@@ -41,9 +41,10 @@ from ..runtime.errors import (
 )
 from ..runtime.experts import REPIN_KEPT, device_moves, turn_entropy, turn_perf
 from .expert_cache import ExpertCache, TurnEnded
-from .kv_slot import Claim, Extend, KVSlot, Probe, Release
+from .kv_slot import Claim, Extend, KVSlot, Probe, Release, SetHistory
 from .policy import StopMatcher, choose_slot
 from .runner import ExpertStep, ModelRunner, Sampled, SamplingRow
+from .slot_io import FreeSlot, HoldSlot, ReadLayer, WriteLayer
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class Active:
     key: np.ndarray
     started: float
     cursor: int = 0  # prompt tokens whose KV is written
+    target: int = 0  # prompt tokens to write: all, or all but the last (prefill_only)
     next_token: int | None = None  # sampled, not yet fed back
     position: int = 0  # where next_token goes
     emitted: int = 0
@@ -182,6 +184,7 @@ class Scheduler:
         self.limiter = trio.CapacityLimiter(1)  # the one thread that touches the device
         self.closing = False
         self.drained: list[trio.MemorySendChannel] = []
+        self.held: set[int] = set()  # slots whose KV is being saved or installed
 
     # ---- the loop -------------------------------------------------------------------
 
@@ -221,6 +224,10 @@ class Scheduler:
                     reply.send_nowait(False)
                 case Drain(reply):
                     reply.send_nowait(None)
+                case HoldSlot(reply=reply) | ReadLayer(reply=reply) | WriteLayer(reply=reply):
+                    reply.close()
+                case FreeSlot(reply=reply) if reply is not None:
+                    reply.close()
         self.inbox.receive.close()
 
     def _notify_drained(self):
@@ -257,6 +264,8 @@ class Scheduler:
                     await self._finish(self.active[rid], "stop")
                 if reply is not None:
                     reply.send_nowait(found)
+            case HoldSlot() | ReadLayer() | WriteLayer() | FreeSlot():
+                await self._slot_io(msg)
             case _:
                 raise TypeError(f"the scheduler got an unknown message {msg!r}")
 
@@ -281,7 +290,7 @@ class Scheduler:
             error = ContextExceeded(n, self.max_context)
         elif req.slot is not None and not 0 <= req.slot < len(self.slots):
             error = BadRequest(f"slot must be in [0, {len(self.slots) - 1}], got {req.slot}")
-        elif req.slot is not None and self._owner(req.slot) is not None:
+        elif req.slot is not None and self._busy(req.slot):
             error = SlotBusy(req.slot)
         if error is not None:
             _tell(sub, error)
@@ -299,16 +308,13 @@ class Scheduler:
         if _tell(sub, Accepted(sub.request_id)):  # else the caller has already gone
             await self._start(sub, slot)
 
-    def _owner(self, slot: int) -> int | None:
-        for a in self.active.values():
-            if a.slot == slot:
-                return a.rid
-        return None
+    def _busy(self, slot: int) -> bool:
+        return slot in self.held or any(a.slot == slot for a in self.active.values())
 
     async def _pick_slot(self, prompt) -> int | None:
         views = []
         for s in self.slots:
-            if self._owner(s.index) is None:
+            if not self._busy(s.index):
                 send, recv = open_reply()
                 await s.inbox.send.send(Probe(send))
                 views.append(await recv.receive())
@@ -325,19 +331,60 @@ class Scheduler:
             detok=IncrementalDetokenizer(self.tokenizer), stops=StopMatcher(req.stop),
             key=self.runner.new_key(seed), started=time.perf_counter(),
             expert_counts=self.expert_zeros.copy(),
+            target=len(sub.prompt) - 1 if req.prefill_only else len(sub.prompt),
         )
         self.active[sub.request_id] = act
+        if act.cursor >= act.target:  # a prefill-only request the slot already holds
+            await self._finish(act, "prefilled")
+            return
         self.prefilling.append(sub.request_id)
+
+    # ---- a slot's KV in and out (slot_io) ---------------------------------------------
+
+    async def _slot_io(self, msg):
+        match msg:
+            case HoldSlot(slot, reply):
+                if not 0 <= slot < len(self.slots):
+                    reply.send_nowait(BadRequest(f"slot must be in [0, {len(self.slots) - 1}], got {slot}"))
+                elif self._busy(slot):
+                    reply.send_nowait(SlotBusy(slot))
+                else:
+                    self.held.add(slot)
+                    probe, answer = open_reply()
+                    await self.slots[slot].inbox.send.send(Probe(probe))
+                    reply.send_nowait((await answer.receive()).history)
+            case ReadLayer(slot, layer, tokens, reply) if slot in self.held:
+                reply.send_nowait(await self._device_io(self.runner.read_layer, slot, layer, tokens))
+            case WriteLayer(slot, layer, k, v, reply) if slot in self.held:
+                reply.send_nowait(await self._device_io(self.runner.write_layer, slot, layer, k, v))
+            case ReadLayer(slot, reply=reply) | WriteLayer(slot, reply=reply):
+                reply.send_nowait(BadRequest(f"slot {slot} is not held for a KV transfer"))
+            case FreeSlot(slot, history, reply):
+                if slot in self.held:
+                    if history is not None:
+                        await self.slots[slot].inbox.send.send(SetHistory(tuple(history)))
+                    self.held.discard(slot)
+                if reply is not None:
+                    reply.send_nowait(None)
+                await self._admit_waiting()
+
+    async def _device_io(self, call, *args):
+        """A KV transfer call in the device thread: its result, or the exception it raised
+        (a bad transfer fails the caller, not the scheduler)."""
+        try:
+            return await trio.to_thread.run_sync(call, *args, limiter=self.limiter)
+        except Exception as exc:  # noqa: BLE001 - handed to the caller
+            return exc
 
     # ---- device work ----------------------------------------------------------------
 
     async def _prefill_chunk(self):
         act = self.active[self.prefilling[0]]
         prompt = act.submit.prompt
-        chunk = list(prompt[act.cursor : act.cursor + self.chunk])
-        last = act.cursor + len(chunk) == len(prompt)
+        chunk = list(prompt[act.cursor : min(act.cursor + self.chunk, act.target)])
+        last = act.cursor + len(chunk) == act.target
         started, sampling = time.perf_counter(), self.runner.sample_seconds
-        if last:
+        if last and not act.request.prefill_only:
             sampled, step = await self._on_device(
                 self.runner.prefill, act.slot, chunk, act.cursor, act.sampling_row()
             )
@@ -351,6 +398,9 @@ class Scheduler:
         act.cursor += len(chunk)
         await self.slots[act.slot].inbox.send.send(Extend(tuple(chunk)))
         if not last or act.rid not in self.active:
+            return
+        if act.request.prefill_only:
+            await self._finish(act, "prefilled")
             return
         self._publish_routing([sampled.experts], len(chunk), step)
         self.prefilling.popleft()

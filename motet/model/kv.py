@@ -9,8 +9,11 @@ new number of streams reuses a compiled function: chunks to powers of two up to 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .config import ModelConfig
 from .forward import ATTN_BLOCK
@@ -56,4 +59,40 @@ def init_kv(cfg: ModelConfig, geo: KVGeometry, dtype=jnp.float32):
     slots = geo.n_slots + 1
     k = [jnp.zeros((slots, cfg.n_kv_heads, cfg.head_dim, geo.length), dtype) for _ in range(cfg.n_layers)]
     v = [jnp.zeros((slots, cfg.n_kv_heads, geo.length, cfg.head_dim), dtype) for _ in range(cfg.n_layers)]
+    return k, v
+
+
+# ---- one slot's KV as host arrays (sessions, handovers) ----------------------------------
+# On the host a layer's K and V are both [tokens, kv_heads, head_dim]: the layout a session
+# file and a K_LAYER frame carry, whatever the device layout is.
+
+KV_LAYOUT = "tokens,kv_heads,head_dim"
+
+
+def read_slot_layer(kv, layer: int, slot: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first `tokens` positions of one layer of `slot`, (K, V), contiguous host arrays."""
+    k, v = kv
+    # The whole slot row comes over (one compiled slice), then numpy cuts it.
+    k_rows = np.asarray(k[layer][slot])[:, :, :tokens].transpose(2, 0, 1)
+    v_rows = np.asarray(v[layer][slot])[:, :tokens, :].transpose(1, 0, 2)
+    return np.ascontiguousarray(k_rows), np.ascontiguousarray(v_rows)
+
+
+@partial(jax.jit, donate_argnums=(0, 1))
+def _put_layer(k_layer, v_layer, k_rows, v_rows, slot):
+    k_rows = k_rows.transpose(1, 2, 0)[None].astype(k_layer.dtype)  # [1, kv_heads, head_dim, t]
+    v_rows = v_rows.transpose(1, 0, 2)[None].astype(v_layer.dtype)  # [1, kv_heads, t, head_dim]
+    return (jax.lax.dynamic_update_slice(k_layer, k_rows, (slot, 0, 0, 0)),
+            jax.lax.dynamic_update_slice(v_layer, v_rows, (slot, 0, 0, 0)))
+
+
+def write_slot_layer(kv, geo: KVGeometry, layer: int, slot: int, k_rows: np.ndarray, v_rows: np.ndarray):
+    """Store host rows ([tokens, kv_heads, head_dim] each) at positions 0.. of one layer of
+    `slot` (in place); returns the updated kv. Rows are padded to a bucket so a few
+    compiled shapes cover every length; the padding lands past the slot's history."""
+    tokens = k_rows.shape[0]
+    width = min(bucket(tokens), geo.length)
+    pad = ((0, width - tokens), (0, 0), (0, 0))
+    k, v = list(kv[0]), list(kv[1])
+    k[layer], v[layer] = _put_layer(k[layer], v[layer], np.pad(k_rows, pad), np.pad(v_rows, pad), slot)
     return k, v

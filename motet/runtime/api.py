@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "cancelled"]
+FinishReason = Literal["stop", "length", "cancelled", "prefilled"]
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,9 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     top_logprobs: int = 0
     request_id: int | None = None
+    # Read the prompt up to its last token (n - 1 tokens in the slot's KV: where a request
+    # continuing it resumes) and finish "prefilled" without generating.
+    prefill_only: bool = False
 
     def __post_init__(self):
         from .errors import BadRequest
@@ -34,6 +37,16 @@ class GenerationRequest:
             raise BadRequest(f"top_logprobs must be in [0, 5], got {self.top_logprobs}")
         if self.request_id is not None and self.request_id <= 0:
             raise BadRequest(f"request ids are positive, got {self.request_id}")
+
+
+@dataclass(frozen=True)
+class SlotFile:
+    """A slot saved to or restored from a session file."""
+
+    slot: int
+    tokens: int  # token ids whose KV the file holds
+    bytes: int  # the file's size
+    ms: float  # milliseconds the save or restore took
 
 
 @dataclass(frozen=True)
