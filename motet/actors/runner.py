@@ -109,6 +109,12 @@ class ModelRunner:
         )
         return logits, experts
 
+    def wait_ready(self) -> None:
+        """Block until the device has finished every step dispatched so far (JAX runs
+        them asynchronously; a prefill that samples nothing is otherwise still running
+        when its call returns)."""
+        jax.block_until_ready(self.kv)
+
     def decode(self, tokens: list[int], slots: list[int], positions: list[int],
                rows: list[SamplingRow]) -> list[Sampled]:
         """One batched step: each row feeds its token at its position in its slot, then

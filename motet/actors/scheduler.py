@@ -400,6 +400,7 @@ class Scheduler:
         if not last or act.rid not in self.active:
             return
         if act.request.prefill_only:
+            await self._device_io(self.runner.wait_ready)  # "prefilled" means the KV is there
             await self._finish(act, "prefilled")
             return
         self._publish_routing([sampled.experts], len(chunk), step)

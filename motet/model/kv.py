@@ -72,9 +72,11 @@ KV_LAYOUT = "tokens,kv_heads,head_dim"
 def read_slot_layer(kv, layer: int, slot: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """The first `tokens` positions of one layer of `slot`, (K, V), contiguous host arrays."""
     k, v = kv
-    # The whole slot row comes over (one compiled slice), then numpy cuts it.
-    k_rows = np.asarray(k[layer][slot])[:, :, :tokens].transpose(2, 0, 1)
-    v_rows = np.asarray(v[layer][slot])[:, :tokens, :].transpose(1, 0, 2)
+    # A bucketed width comes over (a few compiled slices cover every length), then numpy
+    # cuts it to size.
+    width = max(1, min(bucket(tokens), k[layer].shape[-1]))
+    k_rows = np.asarray(k[layer][slot, :, :, :width])[:, :, :tokens].transpose(2, 0, 1)
+    v_rows = np.asarray(v[layer][slot, :, :width, :])[:, :tokens, :].transpose(1, 0, 2)
     return np.ascontiguousarray(k_rows), np.ascontiguousarray(v_rows)
 
 
