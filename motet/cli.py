@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     servep.add_argument("--queue-limit", type=int, default=64, help="requests waiting for a slot (past it: 429)")
     servep.add_argument("--web-dir", type=Path, default=None, help="the folder served at / (default: the repo's web/)")
     servep.add_argument("--engine-cmd", default=None, help='a mux engine to drive, e.g. "motet mux"')
+    servep.add_argument("--slot-save-path", type=Path, default=None,
+                        help="the folder of POST /slots/{id}?action=save|restore files (created if missing)")
     servep.add_argument("--expert-cap", dest="expert_cache", type=int, default=None,
                         help="experts per MoE layer on the device (EXPERT_CAP; 0 or absent: no limit)")
     _add_expert_flags(servep)
@@ -319,7 +321,7 @@ def cmd_serve(args) -> int:
         queue_limit=args.queue_limit, api_key=args.api_key or os.environ.get("MOTET_API_KEY") or None,
         allow_insecure_bind=args.allow_insecure_bind, cors_origins=tuple(args.cors_origin),
         max_body_bytes=args.max_body_bytes, engine_cmd=args.engine_cmd, model_path=args.model,
-        experts=expert_settings(args, os.environ), **extra,
+        slot_save_path=args.slot_save_path, experts=expert_settings(args, os.environ), **extra,
     )  # checked (e.g. no key on a public address) before the model loads
     lazy = settings.experts.mode != "resident"  # tiered or not is decided once the model is known
     model = open_model(model_settings(args), lazy) if args.engine_cmd is None else None

@@ -1,9 +1,11 @@
-"""The Quart-Trio app: OpenAI routes, /health, /experts, /metrics and the web folder.
+"""The Quart-Trio app: OpenAI routes, /health, /experts, /metrics, /slots (slots.py) and
+the web folder.
 
 Written against the engine API only (stream, render_chat, name, statistics,
-expert_state), so the in-process Engine and a MuxEngine plug in alike.
+expert_state; save_slot, restore_slot, erase_slot), so the in-process Engine and a
+MuxEngine plug in alike.
 
-Auth: with an API key set, `/v1/*`, `/experts` and `/metrics` need it (`Authorization:
+Auth: with an API key set, `/v1/*`, `/experts`, `/metrics` and `/slots` need it (`Authorization:
 Bearer <key>` or `x-api-key: <key>`); `/health` (for load balancers), `/openapi.json` and
 the web folder (the page asks for the key itself) stay open. The key is compared in
 constant time and never logged. CORS answers only the origins given, and
@@ -31,10 +33,11 @@ from .metrics import Metrics, RecentRate
 from .openapi import openapi_document
 from .openai_schema import InvalidRequest, parse_chat, parse_completion
 from .settings import ServeSettings
+from .slots import SlotRoutes
 
 log = logging.getLogger(__name__)
 
-PROTECTED = ("/v1/", "/experts", "/metrics")
+PROTECTED = ("/v1/", "/experts", "/metrics", "/slots")
 CORS_METHODS = "GET, POST, OPTIONS"
 CORS_HEADERS = "Authorization, Content-Type, X-Api-Key"
 CORS_MAX_AGE_S = 600
@@ -57,6 +60,7 @@ class Server:
         self.decode_rate = RecentRate()
         self.generation = Generation(engine, self.metrics, self.decode_rate,
                                      settings.default_max_tokens, settings.retry_after_s)
+        self.slots = SlotRoutes(engine, settings)
         self.created = int(time.time())
         self.closing = False
 
@@ -149,10 +153,13 @@ class Server:
         except (ValueError, RecursionError):  # also bad UTF-8, nesting too deep, huge numbers
             raise InvalidRequest("the request body is not valid JSON") from None
 
+    def _shutting_down(self) -> Response:
+        return error_response(ApiError(503, "the server is shutting down", type="server_error",
+                                       code="shutting_down", retry_after_s=self.settings.retry_after_s))
+
     async def _generate(self, turn: Turn, prompt: str):
         if self.closing:
-            return error_response(ApiError(503, "the server is shutting down", type="server_error",
-                                           code="shutting_down", retry_after_s=self.settings.retry_after_s))
+            return self._shutting_down()
         slot = turn.options.cache_slot
         if slot is not None and slot >= (slots := self.engine.statistics().slots_total):
             raise InvalidRequest(f"'cache_slot' must be in [0, {slots - 1}]; got {slot}", "cache_slot")
@@ -203,6 +210,12 @@ class Server:
             "tokens_per_s": self.decode_rate.rate(trio.current_time()),
         }
 
+    async def slot_action(self, id_slot: str):
+        if self.closing:
+            return self._shutting_down()
+        answer = await self.slots.post(id_slot)
+        return error_response(answer) if isinstance(answer, ApiError) else answer
+
     async def prometheus(self):
         return Response(self.metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -250,6 +263,7 @@ def create_app(engine, settings: ServeSettings) -> QuartTrio:
         ("/openapi.json", server.openapi, "GET"),
         ("/experts", server.experts, "GET"),
         ("/metrics", server.prometheus, "GET"),
+        ("/slots/<id_slot>", server.slot_action, "POST"),
         ("/", server.web, "GET"),
         ("/<path:path>", server.web, "GET"),
     ]

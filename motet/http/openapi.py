@@ -9,9 +9,12 @@ drawn from it (tests/test_fuzz.py), every answer checked against it.
 
 from __future__ import annotations
 
+from functools import partial
+
 from .. import __version__
 from .openai_schema import MAX_TOP_LOGPROBS, ROLES
 from .settings import ServeSettings
+from .slots import FILENAME_PATTERN, MAX_FILENAME_BYTES
 
 OPENAPI_VERSION = "3.1.0"
 _REF = "#/components/schemas/"
@@ -164,6 +167,27 @@ def _schemas(settings: ServeSettings, slots: int) -> dict:
                       "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}},
         "Health": {"type": "object", "required": ["status"],
                    "properties": {"status": {"enum": ["ok", "closing", "error"]}, "reason": {"type": "string"}}},
+        "SlotFileRequest": {
+            "type": "object", "description": "for save and restore (erase takes no body)",
+            "properties": {"filename": {
+                "type": "string", "minLength": 1, "maxLength": MAX_FILENAME_BYTES, "pattern": FILENAME_PATTERN,
+                "description": f"a plain file name in the slot folder (at most {MAX_FILENAME_BYTES} bytes "
+                               "in UTF-8): no '/', '\\', control characters, nor a leading '.'"}},
+        },
+        "SlotSaved": {
+            "type": "object", "required": ["id_slot", "filename", "n_saved", "n_written", "timings"],
+            "properties": {"id_slot": counts, "filename": {"type": "string"}, "n_saved": counts,
+                           "n_written": counts, "timings": {"type": "object", "required": ["save_ms"],
+                                                            "properties": {"save_ms": number}}},
+        },
+        "SlotRestored": {
+            "type": "object", "required": ["id_slot", "filename", "n_restored", "n_read", "timings"],
+            "properties": {"id_slot": counts, "filename": {"type": "string"}, "n_restored": counts,
+                           "n_read": counts, "timings": {"type": "object", "required": ["restore_ms"],
+                                                         "properties": {"restore_ms": number}}},
+        },
+        "SlotErased": {"type": "object", "required": ["id_slot", "n_erased"],
+                       "properties": {"id_slot": counts, "n_erased": counts}},
         "Experts": {
             "type": "object",
             "required": ["rows", "cols", "map", "hits", "seq", "gpus", "entropy", "repin",
@@ -206,6 +230,39 @@ def _path_param(name: str, description: str) -> dict:
             "schema": {"type": "string", "minLength": 1}}
 
 
+def _slot_action(settings: ServeSettings, slots: int, security: list) -> dict:
+    """POST /slots/{id_slot}: without a slot folder only erase is offered (save and
+    restore answer 501)."""
+    actions = ["save", "restore", "erase"] if settings.slot_save_path is not None else ["erase"]
+    error = partial(_json, _ref("Error"))
+    return {"post": {
+        "summary": "save a KV slot to a file in the slot folder, restore it from one, or erase it",
+        "security": security,
+        "parameters": [
+            {"name": "id_slot", "in": "path", "required": True, "description": "the KV slot",
+             "schema": {"type": "integer", "minimum": 0, "maximum": slots - 1}},
+            {"name": "action", "in": "query", "required": True, "schema": {"enum": actions},
+             "description": "save and restore need the server's --slot-save-path"},
+        ],
+        "requestBody": {"required": False, "content": {"application/json": {"schema": _ref("SlotFileRequest")}}},
+        "responses": {
+            "200": _json({"anyOf": [_ref("SlotSaved"), _ref("SlotRestored"), _ref("SlotErased")]},
+                         "what was saved, restored or erased"),
+            "400": error("a bad slot id, action or filename, a body that is not JSON, or a file the "
+                         "engine refuses to restore (the reason)"),
+            "401": ERRORS["401"],
+            "404": error("restore: no such file in the slot folder"),
+            "408": ERRORS["408"],
+            "409": error("the slot is busy (Retry-After)"),
+            "413": ERRORS["413"],
+            "431": ERRORS["431"],
+            "500": error("the file system failed (the file named; the folder is in the server's log)"),
+            "501": error("save or restore on a server started without --slot-save-path"),
+            "503": ERRORS["503"],
+        },
+    }}
+
+
 def openapi_document(settings: ServeSettings, model: str, slots: int) -> dict:
     """The document for a server with `settings`, serving `model` on `slots` KV slots."""
     any_body = {"*/*": {"schema": {}}}
@@ -232,6 +289,7 @@ def openapi_document(settings: ServeSettings, model: str, slots: int) -> dict:
             "/metrics": _get("Prometheus metrics", {"200": {
                 "description": "the text format", "content": {"text/plain": {"schema": {"type": "string"}}}}},
                 security=key),
+            "/slots/{id_slot}": _slot_action(settings, slots, key),
             "/openapi.json": _get("this document", {"200": _json({"type": "object"}, "OpenAPI 3.1")}),
             "/": _get("the web page", {"200": {"description": "index.html", "content": {
                 "text/html": {"schema": {"type": "string"}}}}}),

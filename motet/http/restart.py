@@ -105,6 +105,15 @@ class RestartingEngine:
     def render_chat(self, messages: list[dict]) -> str:
         return self._current().render_chat(messages)
 
+    async def save_slot(self, slot: int, path):
+        return await self._current().save_slot(slot, path)
+
+    async def restore_slot(self, slot: int, path):
+        return await self._current().restore_slot(slot, path)
+
+    async def erase_slot(self, slot: int) -> int:
+        return await self._current().erase_slot(slot)
+
     def statistics(self) -> EngineStatistics:
         if self._engine is None:  # between two children: nothing runs, nothing is taken
             return EngineStatistics(0, 0, self.kv_slots, True)

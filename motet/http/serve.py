@@ -49,7 +49,10 @@ def hypercorn_config(settings: ServeSettings) -> Config:
 async def serve_app(engine, settings: ServeSettings, *, shutdown_trigger=None,
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve `engine` over HTTP until `shutdown_trigger()` returns (never when None: until
-    the caller's scope is cancelled). `task_status.started` gets the bound URLs."""
+    the caller's scope is cancelled). `task_status.started` gets the bound URLs. The slot
+    folder (`slot_save_path`) is created first when it is missing."""
+    if settings.slot_save_path is not None:  # an OSError here is the command's error
+        await trio.Path(settings.slot_save_path).mkdir(parents=True, exist_ok=True)
     app = create_app(engine, settings)
     server = app.extensions["motet"]
 

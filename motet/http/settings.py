@@ -52,6 +52,8 @@ class ServeSettings:
     engine_cmd: str | None = None  # a mux engine command line; None: the in-process Engine
     model_path: Path | None = None  # with engine_cmd: the child's model (SNAP), and the chat
     # template rendered here; None: the default model
+    slot_save_path: Path | None = None  # the folder of POST /slots/{id}?action=save|restore
+    # files (created when serving starts); None: those answer 501, erase still works
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -66,6 +68,11 @@ class ServeSettings:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_stops < 0:
             raise ValueError(f"max_stops must be >= 0, got {self.max_stops}")
+        if self.slot_save_path is not None:
+            folder = Path(self.slot_save_path).resolve()  # absolute, links followed, once
+            if folder.exists() and not folder.is_dir():
+                raise ValueError(f"--slot-save-path {folder} exists and is not a folder")
+            object.__setattr__(self, "slot_save_path", folder)
         if self.api_key == "":
             raise ValueError("the API key is empty")
         if self.api_key is None and not self.allow_insecure_bind and not is_loopback(self.host):
