@@ -112,6 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="experts per MoE layer on the device (EXPERT_CAP; 0 or absent: no limit)")
     _add_expert_flags(servep)
     _add_model_flags(servep)
+    workerp = sub.add_parser("worker", help="a prefill, decode or mono worker on the TCP wire (docs/wire.md)")
+    workerp.add_argument("--role", choices=("mono", "prefill", "decode"), required=True)
+    workerp.add_argument("--listen", required=True, metavar="HOST:PORT",
+                         help="where to listen (port 0 picks a free one; 'listening on HOST:PORT' goes to stderr)")
+    workerp.add_argument("--kv-slots", type=int, default=4, help="KV slots, 1-16: requests served at once")
+    workerp.add_argument("--request-wait", type=float, default=600.0,
+                         help="seconds a decode worker waits for its prefill worker (default 600)")
+    workerp.add_argument("--prefill", default=None, metavar="HOST:PORT",
+                         help="decode: the prefill worker (a request's prefill= key wins)")
+    _add_model_flags(workerp)
     return parser
 
 
@@ -328,7 +338,13 @@ def cmd_serve(args) -> int:
     return run(settings, model)
 
 
-COMMANDS = {"chat": cmd_chat, "info": cmd_info, "mux": cmd_mux, "serve": cmd_serve}
+def cmd_worker(args) -> int:
+    from .worker import run_worker
+
+    return run_worker(args)
+
+
+COMMANDS = {"chat": cmd_chat, "info": cmd_info, "mux": cmd_mux, "serve": cmd_serve, "worker": cmd_worker}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,309 @@
+"""`motet worker`: one Engine behind the TCP wire of docs/wire.md, in one of three roles.
+
+    mono     answers K_GEN: the whole generation here
+    prefill  answers K_PREFILL: reads the prompt into a slot, streams the slot's KV as one
+             K_LAYER frame per layer, then K_FIRST (the first token, the facts to check)
+    decode   answers K_DECODE: a prefill worker reads the prompt, its layers go into a
+             slot of this worker's own as they arrive, and the rest is generated here.
+             When that handover fails (no peer, a broken connection, a K_ERROR, refused
+             facts, a bad checksum, no answer in time) it reads the prompt itself:
+             `fallback=1`, and never an error for its client.
+
+A connection is served by one task, one request after another; connections run
+concurrently, each request in a KV slot of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import sys
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+
+import trio
+
+from .engine import Engine
+from .model.detokenizer import IncrementalDetokenizer
+from .protocol import wire
+from .protocol.session_file import SessionHeader
+from .protocol.wire import K_DECODE, K_ERROR, K_FIRST, K_GEN, K_PREFILL, K_RESULT, Frame, Msg, WireError
+from .runtime.api import GenerationRequest
+from .runtime.errors import BadRequest, ContextExceeded, EmptyPrompt, EngineError
+from .wire_io import (
+    HANDOVER_ERRORS,
+    FrameStream,
+    Handover,
+    connect,
+    facts,
+    format_address,
+    parse_address,
+    refusal,
+    send_layers,
+    sole_error,
+)
+
+log = logging.getLogger("motet.worker")
+
+ROLES = {"mono": K_GEN, "prefill": K_PREFILL, "decode": K_DECODE}  # the one kind each answers
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    role: str
+    listen: str  # HOST:PORT; port 0 picks a free one
+    request_wait: float = wire.REQUEST_WAIT_S  # the longest wait on a peer's answer
+    prefill: str | None = None  # decode: the prefill worker a request names none
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"a worker's role is one of {', '.join(ROLES)}, not {self.role!r}")
+        for address in (self.listen, self.prefill):
+            if address is not None:
+                parse_address(address)
+        if not self.request_wait > 0:
+            raise ValueError(f"the request wait is a positive number of seconds, not {self.request_wait}")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A request's sampling keys, each optional."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @classmethod
+    def from_msg(cls, msg: Msg) -> Sampling:
+        def real(key: str, default: float) -> float:
+            value = msg.get(key)
+            if value is None:
+                return default
+            try:
+                number = float(value)
+            except ValueError:
+                number = math.nan
+            if not math.isfinite(number):
+                raise WireError(f"{key}: not a number")
+            return number
+
+        def whole(key: str, default: int | None) -> int | None:
+            return msg.number(key) if msg.get(key) is not None else default
+
+        sampling = cls(max_tokens=whole("max_tokens", cls.max_tokens), temperature=real("temperature", cls.temperature),
+                       top_p=real("top_p", cls.top_p), seed=whole("seed", None))
+        GenerationRequest("", **sampling.kwargs())  # BadRequest, in the engine's words, for a value out of range
+        return sampling
+
+    def kwargs(self) -> dict:
+        return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+
+    def fields(self) -> dict:
+        return {k: str(v) for k, v in self.kwargs().items() if v is not None}
+
+
+class SlotPool:
+    """The engine's KV slots, one per request in flight; a request finding none free
+    waits for one."""
+
+    def __init__(self, slots: int):
+        self._put, self._take = trio.open_memory_channel(slots)
+        for slot in range(slots):
+            self._put.send_nowait(slot)
+
+    @asynccontextmanager
+    async def take(self):
+        slot = await self._take.receive()
+        try:
+            yield slot
+        finally:
+            self._put.send_nowait(slot)
+
+
+def detokenize(tokenizer, ids) -> str:
+    """The text the engine's stream gives for `ids` (the same detokenizer, token by token)."""
+    detok = IncrementalDetokenizer(tokenizer)
+    return "".join(detok.push(t) for t in ids) + detok.flush()
+
+
+def ms_since(started: float) -> int:
+    return round((time.perf_counter() - started) * 1000)
+
+
+class Worker:
+    def __init__(self, engine: Engine, settings: WorkerSettings):
+        self.engine = engine
+        self.settings = settings
+        self.header: SessionHeader = engine.session_header
+        self.slots = SlotPool(engine.kv_slots)
+        self.kind = ROLES[settings.role]
+        self.handle = {"mono": self.generate, "prefill": self.prefill, "decode": self.decode}[settings.role]
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED):
+        """Accept connections until cancelled; `task_status` gets the bound HOST:PORT."""
+        host, port = parse_address(self.settings.listen)
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        task_status.started(format_address(*listeners[0].socket.getsockname()[:2]))
+        await trio.serve_listeners(self.serve_connection, listeners)
+
+    async def serve_connection(self, stream: trio.SocketStream) -> None:
+        frames = FrameStream(stream)
+        async with stream:
+            try:
+                while True:
+                    try:
+                        frame = await frames.receive()
+                    except trio.EndOfChannel:
+                        return
+                    except WireError as exc:  # the framing broke: say why, then hang up
+                        await frames.send_msg(K_ERROR, error_msg(exc))
+                        return
+                    await self.answer(frames, frame)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                log.info("a client hung up before its answer")
+            except Exception as exc:  # a bug: this connection ends, the worker serves on
+                log.exception("a request failed")
+                with trio.move_on_after(1):
+                    await frames.send_msg(K_ERROR, Msg({"code": "ENGINE_ERROR"}, f"internal error: {exc!r}"))
+
+    async def answer(self, frames: FrameStream, frame: Frame) -> None:
+        try:
+            if frame.kind != self.kind:
+                raise WireError(f"a {self.settings.role} worker answers {wire.kind_name(self.kind)}, "
+                                f"not {wire.kind_name(frame.kind)}")
+            await self.handle(frames, wire.decode_msg(frame.payload))
+        except (WireError, EngineError) as exc:
+            await frames.send_msg(K_ERROR, error_msg(exc))
+
+    # ---- mono ---------------------------------------------------------------------------
+
+    async def generate(self, frames: FrameStream, msg: Msg) -> None:
+        started = time.perf_counter()
+        done = await self.engine.complete(msg.body, **Sampling.from_msg(msg).kwargs())
+        fields = {"tokens": len(done.token_ids), "finish": done.stats.finish_reason,
+                  "prompt_tokens": done.stats.prompt_tokens, "reused": done.stats.reused_tokens}
+        await frames.send_msg(K_RESULT, Msg(fields | {"ms": ms_since(started)}, done.text))
+
+    # ---- prefill ------------------------------------------------------------------------
+
+    async def prefill(self, frames: FrameStream, msg: Msg) -> None:
+        started = time.perf_counter()
+        sampling = replace(Sampling.from_msg(msg), max_tokens=1)
+        if (why := refusal(msg, self.header, required=False)) is not None:
+            raise BadRequest(why)  # refused before any work: a peer that could not use the KV
+        prompt = self.engine.encode(msg.body)
+        fields = facts(self.header) | {"tokens": len(prompt)}
+        async with self.slots.take() as slot:
+            done = await self.engine.complete(prompt, slot=slot, **sampling.kwargs())
+            fields["prefill_ms"] = ms_since(started)
+            if not done.token_ids:  # the turn ended at its first token: no KV worth moving
+                fields["finish"] = "stop"
+            else:
+                fields["first"] = done.token_ids[0]
+                sending = time.perf_counter()
+                async with self.engine.hold_slot(slot) as hold:
+                    if hold.history != prompt:
+                        raise EngineError(f"slot {slot} holds {len(hold.history)} tokens, not the prompt's {len(prompt)}")
+                    fields["bytes"] = await send_layers(frames, hold, len(prompt), self.header.layers)
+                fields["send_ms"] = ms_since(sending)
+        await frames.send_msg(K_FIRST, Msg(fields))
+
+    # ---- decode -------------------------------------------------------------------------
+
+    async def decode(self, frames: FrameStream, msg: Msg) -> None:
+        started = time.perf_counter()
+        sampling = Sampling.from_msg(msg)
+        peer = msg.get("prefill") or self.settings.prefill
+        try:
+            if peer is not None:
+                parse_address(peer)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        prompt = self.engine.encode(msg.body)
+        if not prompt:
+            raise EmptyPrompt()
+        if len(prompt) >= self.header.max_context:
+            raise ContextExceeded(len(prompt), self.header.max_context)
+        async with self.slots.take() as slot:
+            handover, why = None, "no prefill worker was named"
+            if peer is not None:
+                with trio.move_on_after(self.settings.request_wait) as waited:
+                    try:
+                        handover = await self.hand_over(peer, msg.body, prompt, sampling, slot)
+                    except HANDOVER_ERRORS as exc:
+                        why = f"{type(exc).__name__}: {exc}"
+                if waited.cancelled_caught:
+                    why = f"the prefill worker gave no answer within {self.settings.request_wait:g} s"
+            if handover is None:  # the slot was left empty if a layer had gone in
+                log.warning("prefill at %s failed, reading the prompt here: %s", peer, why)
+                done = await self.engine.complete(prompt, slot=slot, **sampling.kwargs())
+                text, fields = done.text, {"tokens": len(done.token_ids), "finish": done.stats.finish_reason,
+                                           "reused": done.stats.reused_tokens, "fallback": 1,
+                                           "reason": " ".join(why.split())}
+            else:
+                text, fields = await self.generate_rest(prompt, slot, sampling, handover)
+        fields["prompt_tokens"] = len(prompt)
+        await frames.send_msg(K_RESULT, Msg(fields | {"ms": ms_since(started)}, text))
+
+    async def hand_over(self, peer: str, text: str, prompt, sampling: Sampling, slot: int) -> Handover:
+        """Ask `peer` to read the prompt, installing its layers into `slot` as they come."""
+        async with connect(peer) as frames:
+            handover = Handover(frames, self.header, len(prompt))
+            await frames.send_msg(K_PREFILL, Msg(sampling.fields() | facts(self.header), text))
+            if await handover.layers_follow():
+                await self.engine.install_slot(slot, prompt, handover)
+        return handover
+
+    async def generate_rest(self, prompt, slot: int, sampling: Sampling, handover: Handover):
+        ids, finish, reused = (), "stop", 0
+        if handover.first is not None:
+            ids, finish = (handover.first,), "length"
+            if sampling.max_tokens > 1 and len(prompt) + 1 < self.header.max_context:
+                rest = replace(sampling, max_tokens=sampling.max_tokens - 1)
+                done = await self.engine.complete(prompt + ids, slot=slot, **rest.kwargs())
+                ids, finish, reused = ids + done.token_ids, done.stats.finish_reason, done.stats.reused_tokens
+        fields = {"tokens": len(ids), "finish": finish, "reused": reused, "fallback": 0,
+                  "prefill_ms": handover.prefill_ms, "transfer_ms": handover.transfer_ms, "bytes": handover.bytes}
+        return detokenize(self.engine.tokenizer, ids), fields
+
+
+def error_msg(exc: Exception) -> Msg:
+    return Msg({"code": getattr(exc, "code", "BAD_MESSAGE")}, str(exc))
+
+
+# ---- the command ------------------------------------------------------------------------
+
+
+def run_worker(args) -> int:
+    settings = WorkerSettings(role=args.role, listen=args.listen, request_wait=args.request_wait,
+                              prefill=args.prefill)
+    if str(args.compile_cache) not in ("", "."):
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", str(args.compile_cache))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    engine = dict(kv_slots=args.kv_slots, max_context=args.max_context or 4096, dtype=args.dtype)
+    try:
+        with sole_error():
+            trio.run(serve_worker, args.model, engine, settings)
+    except OSError as exc:  # the address is taken or not ours
+        print(f"motet: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+async def serve_worker(model, engine_kwargs: dict, settings: WorkerSettings) -> None:
+    """Serve until SIGINT or SIGTERM; then stop accepting, and the engine drains."""
+    async with Engine(model, **engine_kwargs) as engine:
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(Worker(engine, settings).serve)
+            print(f"listening on {address}", file=sys.stderr, flush=True)
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    log.info("%s: stopping", signal.Signals(signum).name)
+                    break
+            nursery.cancel_scope.cancel()
+
