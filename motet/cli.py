@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     muxp.add_argument("--ngen", type=int, default=None,
                       help="legacy protocol: tokens per answer to a chat line (NGEN; default 256)")
     _add_model_flags(muxp)
+    muxp.add_argument("--kv-save-dir", type=Path, default=None,
+                      help="where each slot's session persists (KVSAVE_DIR; default ~/.cache/motet/sessions; "
+                      "KVSAVE=0 turns persistence off)")
     muxp.add_argument("--temperature", type=float, default=0.0, help="legacy protocol chat lines: 0 = greedy")
     muxp.add_argument("--top-p", type=float, default=1.0, help="legacy protocol chat lines")
     servep = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (and the web page)")
@@ -210,6 +213,7 @@ def _snap_path(snap: str) -> Path:
 
 
 SHUTDOWN_GRACE_S = 5.0  # after SIGTERM/SIGINT, requests in flight get this long to finish
+DEFAULT_KV_SAVE_DIR = Path.home() / ".cache" / "motet" / "sessions"
 
 
 @dataclass(frozen=True)
@@ -222,7 +226,7 @@ class MuxSettings:
     context: int
     topk: bool
     ngen: int
-    kvsave: str | None
+    kv_save_dir: Path | None  # KVSAVE: each slot's session persists here; None: KVSAVE=0
     experts: ExpertSettings = ExpertSettings()
 
     @classmethod
@@ -242,9 +246,19 @@ class MuxSettings:
             context=number("CTX", args.max_context, 4096),
             topk=args.topk if args.topk is not None else env.get("SERVE_TOPK") == "1",
             ngen=number("NGEN", args.ngen, 256),
-            kvsave=env.get("KVSAVE") or None,
+            kv_save_dir=cls._kv_save_dir(args, env),
             experts=expert_settings(args, env),
         )
+
+    @staticmethod
+    def _kv_save_dir(args, env) -> Path | None:
+        """KVSAVE=1 (the default) or 0; the folder from --kv-save-dir, else KVSAVE_DIR."""
+        kvsave = env.get("KVSAVE", "1").strip() or "1"
+        if kvsave not in ("0", "1"):
+            raise ValueError(f"KVSAVE must be 0 or 1, got {env['KVSAVE']!r}")
+        if kvsave == "0":
+            return None
+        return args.kv_save_dir or (Path(env["KVSAVE_DIR"]) if env.get("KVSAVE_DIR") else DEFAULT_KV_SAVE_DIR)
 
 
 def cmd_mux(args) -> int:
@@ -257,8 +271,6 @@ def cmd_mux(args) -> int:
     mux = MuxSettings.from_args(args, os.environ)
     if not 1 <= mux.kv_slots <= 16:
         raise ValueError(f"KV_SLOTS must be in [1, 16], got {mux.kv_slots}")
-    if mux.kvsave:
-        log.warning("KVSAVE=%s: saving KV between runs is not supported yet; ignored", mux.kvsave)
     settings = model_settings(args)
     if settings.compile_cache is not None:
         import jax
@@ -293,7 +305,8 @@ def cmd_mux(args) -> int:
                 sampling = LegacySettings(ngen=mux.ngen, temperature=args.temperature, top_p=args.top_p)
                 bridge = LegacyBridge(engine, sampling, stdin, stdout)
             else:
-                bridge = StdioBridge(engine, BridgeSettings(topk=mux.topk), stdin, stdout)
+                bridge = StdioBridge(engine, BridgeSettings(topk=mux.topk, kv_save_dir=mux.kv_save_dir),
+                                     stdin, stdout)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_stop_on_signal, bridge.intake, nursery.cancel_scope)
                 await bridge.run()

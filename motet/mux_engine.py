@@ -13,6 +13,11 @@ What the wire imposes: prompts are text (token ids are a BadRequest); `seed` is 
 (SUBMIT has none); token ids are None, logprobs come only with `top_logprobs` (from TOPK
 lines); stop strings are matched here, then STOP ends the request; a request that waited
 for a slot meets a refusal (ContextExceeded, ...) at its first event, not at entry.
+
+A slot's KV goes through motet's [extension] commands: save_slot / restore_slot /
+erase_slot (SAVE, RESTORE, ERASE) and prefill (PREFILL). A slot they use is not chosen
+for a request meanwhile. A restored slot holds text unknown here, so automatic slot
+choice never sees a prefix in it: a request continuing it names the slot.
 """
 
 from __future__ import annotations
@@ -26,16 +31,20 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 import trio
 
 from .actors.policy import SlotView, choose_slot
-from .mux_stream import EngineExited, EngineStartError, MuxStream
+from .mux_stream import EngineExited, EngineStartError, MuxStream, engine_error
 from .protocol import mux
-from .runtime.api import Completion, EngineStatistics, ExpertState, GenerationRequest, Perf, TokenEvent
-from .runtime.errors import BadRequest, Cancelled, DuplicateId, EmptyPrompt, EngineClosed, NotFound, QueueFull
+from .protocol.session_file import SessionError
+from .runtime.api import (Completion, EngineStatistics, ExpertState, GenerationRequest, Perf, SlotFile,
+                          TokenEvent, TurnStats)
+from .runtime.errors import (BadRequest, Cancelled, DuplicateId, EmptyPrompt, EngineClosed, EngineError,
+                             NotFound, QueueFull)
 from .runtime.service import Service
 
 log = logging.getLogger(__name__)
@@ -46,6 +55,16 @@ EXIT_GRACE_S = 10.0  # once its stdin is closed, how long the child has to exit
 
 async def _kill(process: trio.Process) -> None:
     process.kill()  # leaving on an error: no grace
+
+
+@dataclass
+class SlotCommand:
+    """A SAVE, RESTORE or ERASE sent to the child: its slot is not chosen for requests
+    until the answer comes (even when its caller has left)."""
+
+    slot: int
+    answered: trio.Event = field(default_factory=trio.Event)
+    answer: object = None  # the child's reply event, or an EngineClosed when it is gone
 
 
 class MuxEngine(Service):
@@ -68,6 +87,7 @@ class MuxEngine(Service):
         self._streams: dict[int, MuxStream] = {}  # every request open here, by id
         self._queue: deque[MuxStream] = deque()  # those waiting for a slot
         self._probes: dict[int, list[trio.Event]] = {}  # CANCEL/STOP of ids unknown here
+        self._commands: dict[int, SlotCommand] = {}  # SAVE/RESTORE/ERASE awaiting their answer, by id
         self._ids = itertools.count(1)
         self._experts = ExpertState(0, 0, b"", b"", 0, ())
         self._gpus: tuple[tuple[float, float, int], ...] = ()
@@ -159,6 +179,8 @@ class MuxEngine(Service):
             self._queue.clear()
             for stream in list(self._streams.values()):
                 self._end(stream, self._closed_error())
+            for rid in list(self._commands):
+                self._answer(rid, self._closed_error())
             for waiter in itertools.chain(*self._probes.values()):
                 waiter.set()
             self._out.close()
@@ -167,6 +189,10 @@ class MuxEngine(Service):
         # Data, TopK, Turn, Done and Error name a request; the rest do not.
         stream = self._streams.get(getattr(event, "request_id", 0))
         match event:
+            case mux.Saved() | mux.Restored() | mux.Erased() | mux.SessionRefused() | mux.Error() if (
+                event.request_id in self._commands
+            ):
+                self._answer(event.request_id, event)
             case mux.Data() | mux.TopK() if stream is not None:
                 stream.first_at = stream.first_at or time.perf_counter()
                 stream.answer += event.data if isinstance(event, mux.Data) else b""
@@ -177,7 +203,7 @@ class MuxEngine(Service):
                 self._probes[event.request_id].pop(0).set()
             case mux.Error(code="NOT_FOUND"):
                 pass  # a STOP or CANCEL that crossed its request's end: a SUBMIT never gets it
-            case mux.Done() | mux.Error() if stream is not None:
+            case mux.Done() | mux.Error() | mux.Prefilled() if stream is not None:
                 self._end(stream, event)
             case mux.Telemetry(kind, fields):
                 try:
@@ -217,28 +243,46 @@ class MuxEngine(Service):
         del self._streams[stream.request_id]
         stream.ended_at = time.perf_counter()
         stream.entropy_gpus = (self._experts.entropy, self._gpus)
-        # A finished or cancelled turn leaves its KV in the slot; a refused one leaves none.
+        # A finished, prefilled or cancelled turn leaves its KV in the slot; a refused one none.
         cancelled = isinstance(final, mux.Error) and final.code == "CANCELLED" and stream.slot is not None
-        if isinstance(final, mux.Done) or cancelled:
+        if isinstance(final, mux.Done | mux.Prefilled) or cancelled:
             history = stream.prompt + stream.answer.decode("utf-8", "replace")
             self._slots[stream.slot] = (history, next(self._clock))
         self._route(stream, final)
         stream.send.close()
         stream.ended.set()
+        self._admit_queued()
+
+    def _answer(self, rid: int, answer) -> None:
+        """A slot command's answer (or the child's end): its caller wakes, its slot frees."""
+        command = self._commands.pop(rid)
+        command.answer = answer
+        match answer:
+            case mux.Restored():  # it holds text unknown here: no prefix to offer, used just now
+                self._slots[command.slot] = ("", next(self._clock))
+            case mux.Erased():  # empty: the first choice for a new conversation
+                self._slots[command.slot] = ("", 0)
+        command.answered.set()
+        self._admit_queued()
+
+    def _admit_queued(self) -> None:
         while self._queue and (slot := self._pick_slot(self._queue[0].prompt)) is not None:
             self._submit(self._queue.popleft(), slot, quiet=True)  # a dead child: the reader tells
 
     # ---- requests ---------------------------------------------------------------------
 
     def _pick_slot(self, prompt: str) -> int | None:
-        busy = {s.slot for s in self._streams.values()}
+        busy = {s.slot for s in self._streams.values()} | {c.slot for c in self._commands.values()}
         # The policy compares any sequences: here the histories are texts, not token ids.
         return choose_slot([SlotView(i, i in busy, *s) for i, s in enumerate(self._slots)], prompt)
 
     def _submit(self, stream: MuxStream, slot: int, quiet: bool = False) -> None:
-        r = stream.request
-        submit = mux.Submit(stream.request_id, slot, r.max_tokens, r.temperature, r.top_p, stream.prompt.encode())
-        self._send(mux.encode_submit(submit), quiet)
+        r, payload = stream.request, stream.prompt.encode()
+        if r.prefill_only:
+            self._send(mux.encode_prefill(mux.Prefill(stream.request_id, slot, payload)), quiet)
+        else:
+            submit = mux.Submit(stream.request_id, slot, r.max_tokens, r.temperature, r.top_p, payload)
+            self._send(mux.encode_submit(submit), quiet)
         stream.slot, stream.sent_at = slot, time.perf_counter()
 
     def _cancel(self, stream: MuxStream) -> None:
@@ -251,13 +295,14 @@ class MuxEngine(Service):
     @asynccontextmanager
     async def stream(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0,
                      top_p: float = 1.0, seed: int | None = None, slot: int | None = None,
-                     stop=(), top_logprobs: int = 0, request_id: int | None = None):
+                     stop=(), top_logprobs: int = 0, request_id: int | None = None,
+                     prefill_only: bool = False):
         """As Engine.stream; `seed` is ignored (the mux protocol carries none)."""
         stop = (stop,) if isinstance(stop, str) else tuple(stop)
         request = GenerationRequest(
             prompt=prompt if isinstance(prompt, str) else tuple(prompt), max_tokens=max_tokens,
             temperature=temperature, top_p=top_p, seed=seed, slot=slot, stop=stop,
-            top_logprobs=top_logprobs, request_id=request_id,
+            top_logprobs=top_logprobs, request_id=request_id, prefill_only=prefill_only,
         )
         if not prompt:
             raise EmptyPrompt()
@@ -271,17 +316,10 @@ class MuxEngine(Service):
             raise BadRequest("the prompt holds a lone surrogate, which has no UTF-8 spelling") from None
         if "\x00" in prompt:
             raise BadRequest("the prompt holds a NUL character, which the mux protocol does not carry")
-        if slot is not None and not 0 <= slot < self.kv_slots:
-            raise BadRequest(f"slot must be in [0, {self.kv_slots - 1}], got {slot}")
-        if self.process is None or self._closing:
-            raise EngineClosed()
-        if self._exited.is_set():
-            raise self._closed_error()
-        rid = request_id if request_id is not None else next(i for i in self._ids if i not in self._streams)
-        if rid in self._streams:
-            raise DuplicateId(rid)
-        if rid >= 1 << 64:
-            raise BadRequest(f"request ids are u64, got {rid}")
+        if slot is not None:
+            self._check_slot(slot)
+        self._check_open()
+        rid = self._request_id(request_id)
         slot = slot if slot is not None else self._pick_slot(prompt)
         if slot is None and len(self._queue) >= self.queue_limit:
             raise QueueFull(self.queue_limit)
@@ -308,6 +346,76 @@ class MuxEngine(Service):
             raise Cancelled(events.request_id)
         text = "".join(t.text for t in tokens) + events.finish.text_tail
         return Completion(text, (), events.finish.stats, tuple(tokens))  # no ids on the wire
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.kv_slots:
+            raise BadRequest(f"slot must be in [0, {self.kv_slots - 1}], got {slot}")
+
+    def _check_open(self) -> None:
+        if self.process is None or self._closing:
+            raise EngineClosed()
+        if self._exited.is_set():
+            raise self._closed_error()
+
+    def _request_id(self, request_id: int | None) -> int:
+        """The caller's id (checked), or the next one free here."""
+        in_flight = self._streams.keys() | self._commands.keys()
+        if request_id is None:
+            return next(i for i in self._ids if i not in in_flight)
+        if request_id in in_flight:
+            raise DuplicateId(request_id)
+        if request_id >= 1 << 64:
+            raise BadRequest(f"request ids are u64, got {request_id}")
+        return request_id
+
+    # ---- a slot's KV [extension] ---------------------------------------------------------
+
+    async def prefill(self, prompt, *, slot: int | None = None, request_id: int | None = None) -> TurnStats:
+        """As Engine.prefill: read a prompt up to its last token into a slot (PREFILL), no
+        generation; its TurnStats (finish reason "prefilled", nothing emitted)."""
+        async with self.stream(prompt, max_tokens=1, slot=slot, request_id=request_id,
+                               prefill_only=True) as events:
+            async for _ in events:
+                pass
+        if events.finish.stats.finish_reason == "cancelled":
+            raise Cancelled(events.request_id)
+        return events.finish.stats
+
+    async def save_slot(self, slot: int, path: str | Path) -> SlotFile:
+        """As Engine.save_slot (SAVE): the path is the child's, as it sees the file system."""
+        saved = await self._slot_command(slot, lambda rid: mux.encode_save(mux.Save(rid, slot, str(path))))
+        return SlotFile(saved.slot, saved.tokens, saved.bytes, saved.ms)
+
+    async def restore_slot(self, slot: int, path: str | Path) -> SlotFile:
+        """As Engine.restore_slot (RESTORE): a refused file raises SessionError with the
+        child's reason, and the slot keeps what it held."""
+        got = await self._slot_command(slot, lambda rid: mux.encode_restore(mux.Restore(rid, slot, str(path))))
+        return SlotFile(got.slot, got.tokens, got.bytes, got.ms)
+
+    async def erase_slot(self, slot: int) -> int:
+        """As Engine.erase_slot (ERASE): the number of tokens the slot held."""
+        return (await self._slot_command(slot, lambda rid: mux.encode_erase(mux.Erase(rid, slot)))).tokens
+
+    async def _slot_command(self, slot: int, encode):
+        """Send `encode(id)` and wait for its answer; the child's refusal raised as Engine's."""
+        self._check_slot(slot)
+        self._check_open()
+        rid = self._request_id(None)
+        command = self._commands[rid] = SlotCommand(slot)
+        try:
+            self._send(encode(rid))
+        except EngineClosed:
+            del self._commands[rid]
+            raise
+        await command.answered.wait()
+        match command.answer:
+            case mux.SessionRefused(reason=reason):
+                raise SessionError(reason)
+            case mux.Error() as error:
+                raise engine_error(error, slot)
+            case EngineError() as error:
+                raise error
+        return command.answer
 
     def render_chat(self, messages: list[dict]) -> str:
         if self._render is None:  # read on first use: the tokenizer file only, no weights

@@ -124,6 +124,9 @@ class MuxStream:
                 return self._token(text, candidates)
             case mux.Done() | mux.Error(code="CANCELLED"):
                 self._ready.append(self._finish(frame))
+            case mux.Prefilled(_, slot, tokens, reused, ms):  # [extension] a prefill-only request
+                stats = TurnStats(self.request_id, slot, "prefilled", tokens + 1, reused, 0, 0.0, 0.0, ms / 1000)
+                self._ready.append(FinishEvent(stats))
             case mux.Error():
                 raise engine_error(frame, self.slot)
         return False

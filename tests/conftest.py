@@ -4,6 +4,7 @@ reruns skip most compiles."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +17,12 @@ REPO = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"
 COMPILE_CACHE = REPO / ".jax_cache" / "tests"
 TINY_ARCHS = ("llama", "qwen3_moe", "olmoe", "mixtral")
+
+# `motet mux` persists every slot's KV between runs by default (KVSAVE=1, under
+# ~/.cache/motet/sessions): the tests that spawn it assume slots start empty, and must not
+# share files through the home folder. The persistence tests set KVSAVE=1 and their own
+# KVSAVE_DIR explicitly.
+os.environ.setdefault("KVSAVE", "0")
 
 jax.config.update("jax_compilation_cache_dir", str(COMPILE_CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -103,11 +103,93 @@ def test_malformed_known_lines_are_reported_not_fatal():
     assert [type(e) for e in events] == [mux.BadLine, mux.BadLine, mux.BadLine, mux.Data]
 
 
-REQUEST_EVENTS = (mux.Submit, mux.Cancel, mux.Stop, mux.Malformed, mux.BadFrame)
+# ---- [extension] slot commands and their replies ----------------------------------------
+
+SLOT_COMMANDS = [
+    mux.Save(1, 0, "/tmp/sessions/é 1.session"),
+    mux.Restore(2, 15, "relative/path"),
+    mux.Erase(3, 4),
+    mux.Prefill(4, 1, "line one\nligne deux: é\n".encode()),
+    mux.Prefill(5, 2, b""),  # an empty prompt is the engine's to refuse (EMPTY_PROMPT)
+]
+SLOT_WIRE = (mux.encode_save(SLOT_COMMANDS[0]) + mux.encode_restore(SLOT_COMMANDS[1])
+             + mux.encode_erase(SLOT_COMMANDS[2]) + mux.encode_prefill(SLOT_COMMANDS[3])
+             + mux.encode_prefill(SLOT_COMMANDS[4]) + mux.encode_cancel(4))
+
+
+def test_slot_commands_round_trip_whatever_the_split():
+    expected = [*SLOT_COMMANDS, mux.Cancel(4)]
+    assert mux.RequestDecoder().feed(SLOT_WIRE) == expected
+    one_by_one = mux.RequestDecoder()
+    assert [e for i in range(len(SLOT_WIRE)) for e in one_by_one.feed(SLOT_WIRE[i : i + 1])] == expected
+
+
+@settings(max_examples=100)
+@given(st.lists(st.integers(0, 10_000), max_size=8))
+def test_slot_commands_ignore_the_split(cuts):
+    assert feed_all(mux.RequestDecoder(), SLOT_WIRE, cuts) == [*SLOT_COMMANDS, mux.Cancel(4)]
+
+
+def test_bad_slot_commands_are_bad_requests_and_their_payload_is_skipped():
+    wire = (b"SAVE 5 x 3\nabc\n"  # a slot that is no number: the path is consumed all the same
+            b"SAVE 6 0 0\n\n"  # no path
+            b"RESTORE 7 0 2\n\xff\xfe\n"  # not UTF-8
+            b"RESTORE 8 0 3\na\x00b\n"  # a NUL
+            + f"SAVE 9 0 {mux.MAX_PATH + 1}\n".encode() + b"p" * (mux.MAX_PATH + 1) + b"\n"
+            + b"ERASE 10 y\nERASE 0 1\nERASE 11\nSAVE 12 0\nPREFILL 13 0 -1\nSTOP 14\n")
+    events = mux.RequestDecoder().feed(wire)
+    assert [(type(e), e.request_id) for e in events] == [
+        *((mux.Malformed, rid) for rid in (5, 6, 7, 8, 9, 10)), *((mux.Malformed, 0) for _ in range(4)),
+        (mux.Stop, 14),
+    ]
+    assert "UTF-8" in events[2].reason and "NUL" in events[3].reason
+
+
+def test_a_slot_payload_without_its_newline_is_a_bad_frame():
+    decoder = mux.RequestDecoder()
+    assert decoder.feed(b"PREFILL 5 0 3\nabcX") == [mux.BadFrame(5)]
+    assert decoder.closed
+    assert mux.RequestDecoder().feed(b"SAVE 6 0 2\nabc\n") == [mux.BadFrame(6)]
+
+
+SLOT_REPLIES = [
+    mux.Saved(1, 0, 120, 40960, 12.5),
+    mux.Restored(2, 15, 120, 40960, 3.0),
+    mux.Erased(3, 4, 77),
+    mux.Prefilled(4, 1, 9, 2, 0.5),
+    mux.SessionRefused(5, "truncated: the file ends inside layer 1 V (2432 bytes needed, 2422 left)"),
+    mux.SessionRefused(6, "settings['backend']: expected 'cpu', found 'tpu' — é"),
+]
+
+
+def test_slot_replies_round_trip_in_the_extended_decoder_only():
+    wire = (mux.encode_saved(SLOT_REPLIES[0]) + mux.encode_restored(SLOT_REPLIES[1])
+            + mux.encode_erased(SLOT_REPLIES[2]) + mux.encode_prefilled(SLOT_REPLIES[3])
+            + mux.encode_session_refused(5, SLOT_REPLIES[4].reason)
+            + mux.encode_session_refused(6, "settings['backend']:\n  expected 'cpu', found 'tpu' — é"))
+    assert mux.ExtendedResponseDecoder().feed(wire) == SLOT_REPLIES
+    one_by_one = mux.ExtendedResponseDecoder()
+    assert [e for i in range(len(wire)) for e in one_by_one.feed(wire[i : i + 1])] == SLOT_REPLIES
+    # A server that knows none of them: the replies are unknown kinds, the refusals errors.
+    plain = mux.ResponseDecoder().feed(wire)
+    assert [(type(e), e.request_id, e.code) for e in plain] == [(mux.Error, 5, "SESSION_REFUSED"),
+                                                                 (mux.Error, 6, "SESSION_REFUSED")]
+
+
+def test_malformed_slot_replies_are_bad_lines():
+    events = mux.ExtendedResponseDecoder().feed(b"SAVED 1 0 x 3 1.0\nERASED 1\nPREFILLED 0 1 2 3 4\n")
+    assert [type(e) for e in events] == [mux.BadLine] * 3
+
+
+REQUEST_EVENTS = (mux.Submit, mux.Cancel, mux.Stop, mux.Malformed, mux.BadFrame,
+                  mux.Save, mux.Restore, mux.Erase, mux.Prefill)
 RESPONSE_EVENTS = (mux.Ready, mux.Data, mux.TopK, mux.Done, mux.Error, mux.Telemetry, mux.BadLine)
+EXTENDED_EVENTS = (*RESPONSE_EVENTS, mux.Turn, mux.LoadFail, mux.Saved, mux.Restored, mux.Erased,
+                   mux.Prefilled, mux.SessionRefused)
 words = st.sampled_from([b"SUBMIT", b"CANCEL", b"STOP", b"DATA", b"DONE", b"TOPK", b"ERROR",
-                         b"STAT", b" ", b"\n", b"1", b"0", b"-3", b"5", b"0.5", b"x", b"\x00",
-                         b"\xff", b"\r\n", mux.READY])
+                         b"STAT", b"SAVE", b"RESTORE", b"ERASE", b"PREFILL", b"SAVED", b"RESTORED",
+                         b"ERASED", b"PREFILLED", b"SESSION_REFUSED", b" ", b"\n", b"1", b"0", b"-3",
+                         b"5", b"0.5", b"x", b"\x00", b"\xff", b"\r\n", mux.READY])
 streams = st.one_of(st.binary(max_size=300), st.lists(words, max_size=60).map(b"".join))
 
 
@@ -125,3 +207,11 @@ def test_response_decoder_never_crashes_and_ignores_the_split(data, cuts):
     whole = mux.ResponseDecoder().feed(data)
     assert all(isinstance(e, RESPONSE_EVENTS) for e in whole)
     assert feed_all(mux.ResponseDecoder(), data, cuts) == whole
+
+
+@settings(max_examples=300)
+@given(streams, st.lists(st.integers(0, 10_000), max_size=8))
+def test_extended_response_decoder_never_crashes_and_ignores_the_split(data, cuts):
+    whole = mux.ExtendedResponseDecoder().feed(data)
+    assert all(isinstance(e, EXTENDED_EVENTS) for e in whole)
+    assert list(map(repr, feed_all(mux.ExtendedResponseDecoder(), data, cuts))) == list(map(repr, whole))

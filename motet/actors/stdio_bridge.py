@@ -1,19 +1,26 @@
 """StdioBridge: speaks the mux protocol over a pair of byte streams (stdin/stdout in
 `motet mux`) to any engine with the runtime API. One reader task decodes requests; every
-line goes through one writer, so frames never interleave."""
+line goes through one writer, so frames never interleave. Each request, and each of the
+[extension] slot commands (SAVE, RESTORE, ERASE, PREFILL), runs in a task of its own, so
+the reader keeps reading; the bridge tracks which slot each uses, so a slot is busy from
+its command to its last line, in the order the commands came."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import trio
 
 from ..protocol import mux
+from ..protocol.session_file import SessionError
 from ..runtime.api import FinishEvent, StepRouting, TokenEvent
-from ..runtime.errors import BadRequest, ContextExceeded, EngineError, NotFound
+from ..runtime.errors import BadRequest, ContextExceeded, DuplicateId, EngineError, NotFound, SlotBusy
 from ..runtime.experts import HITS_EVERY, ExpertMap, device_moves
 from .bridge import Intake, cpu_name, rss_gb
 
@@ -24,6 +31,54 @@ READ_SIZE = 65536
 @dataclass(frozen=True)
 class BridgeSettings:
     topk: bool = False  # SERVE_TOPK=1: a TOPK line per token
+    kv_save_dir: Path | None = None  # KVSAVE: where each slot's session persists (None: it does not)
+
+
+def safe_name(fingerprint: str) -> str:
+    """A model fingerprint as one file name: letters, digits, `._-` (a long one is cut,
+    a hash of the whole keeping it distinct)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", fingerprint).lstrip(".") or "model"
+    if len(name) > 128:
+        name = f"{name[:96]}-{hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}"
+    return name
+
+
+class SlotStore:
+    """KVSAVE: each slot's session file, `<dir>/<model>/slot-<n>.session`, restored at
+    start and written at the end of every turn. A file that cannot be read or written
+    costs a warning on stderr, never a turn."""
+
+    def __init__(self, engine, root: Path):
+        self.engine = engine
+        self.folder = root.expanduser() / safe_name(engine.session_header.model)
+
+    def path(self, slot: int) -> Path:
+        return self.folder / f"slot-{slot}.session"
+
+    async def restore_all(self) -> None:
+        for slot in range(self.engine.kv_slots):
+            path = self.path(slot)
+            if not path.exists():
+                continue
+            try:
+                restored = await self.engine.restore_slot(slot, path)
+            except (SessionError, OSError) as exc:
+                log.warning("KVSAVE: slot %d starts empty: %s refused: %s", slot, path, exc)
+            else:
+                log.info("KVSAVE: slot %d restored %d tokens from %s", slot, restored.tokens, path)
+
+    async def persist(self, slot: int) -> None:
+        try:
+            self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            await self.engine.save_slot(slot, self.path(slot))
+        except (OSError, ValueError, EngineError) as exc:  # a full disk, no permission
+            log.warning("KVSAVE: slot %d not saved to %s: %s", slot, self.path(slot), exc)
+
+    def forget(self, slot: int) -> None:
+        try:
+            self.path(slot).unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("KVSAVE: slot %d: %s not removed: %s", slot, self.path(slot), exc)
 
 
 class StdioBridge:
@@ -36,12 +91,16 @@ class StdioBridge:
         self.intake = Intake()
         self.experts = ExpertMap.for_model(engine.model.config)
         self.experts.set_tiers(engine.expert_tiers())
+        self.store = SlotStore(engine, settings.kv_save_dir) if settings.kv_save_dir is not None else None
+        self.slots: dict[int, int] = {}  # slot → the id of the request or command using it
 
     async def run(self) -> None:
         """Until stdin ends (or a bad frame): then in-flight requests finish first."""
         async with trio.open_nursery() as writer_scope:
             writer_scope.start_soon(self._writer)
             routing = await self.engine.telemetry(buffer=1024)
+            if self.store is not None:
+                await self.store.restore_all()  # before READY: nothing is read meanwhile
             await self._handshake()
             hits_scope = trio.CancelScope()
             writer_scope.start_soon(self._hits, routing, hits_scope)
@@ -124,6 +183,11 @@ class StdioBridge:
                 await self._control(self.engine.cancel, rid)
             case mux.Stop(rid):
                 await self._control(self.engine.stop, rid)
+            case mux.Prefill():
+                await self._submit(event, requests)
+            case mux.Save() | mux.Restore() | mux.Erase():
+                if await self._claim(event.request_id, event.slot):
+                    requests.start_soon(self._slot_command, event)
             case mux.Malformed(rid, reason):
                 log.warning("request %d: %s", rid, reason)
                 await self._write(mux.encode_error(rid, BadRequest.code))
@@ -136,33 +200,56 @@ class StdioBridge:
         except NotFound:
             await self._write(mux.encode_error(rid, NotFound.code))
 
-    async def _submit(self, sub: mux.Submit, requests: trio.Nursery):
-        if sub.grammar is not None:
+    async def _claim(self, rid: int, slot: int) -> bool:
+        """Mark the slot used by `rid` until its last line; False (and the error written)
+        when the id is in flight or the slot in use."""
+        error = DuplicateId(rid) if rid in self.slots.values() else SlotBusy(slot) if slot in self.slots else None
+        if error is not None:
+            await self._write(mux.encode_error(rid, error.code))
+            return False
+        self.slots[slot] = rid
+        return True
+
+    def _release(self, rid: int, slot: int) -> None:
+        if self.slots.get(slot) == rid:
+            del self.slots[slot]
+
+    async def _submit(self, sub: mux.Submit | mux.Prefill, requests: trio.Nursery):
+        prefill = isinstance(sub, mux.Prefill)
+        if not prefill and sub.grammar is not None:
             await self._write(mux.encode_error(sub.request_id, BadRequest.code))
             return
         if b"\x00" in sub.payload:
             await self._write(mux.encode_error(sub.request_id, BadRequest.code))
             return
+        if not await self._claim(sub.request_id, sub.slot):
+            return
         prompt = sub.payload.decode("utf-8", "replace")
         try:
-            stream = self.engine.stream(
-                prompt, max_tokens=max(1, sub.max_tokens), temperature=sub.temperature,
-                top_p=sub.top_p, slot=sub.slot, request_id=sub.request_id,
-                top_logprobs=5 if self.settings.topk else 0,
-            )
+            if prefill:
+                stream = self.engine.stream(prompt, max_tokens=1, slot=sub.slot, request_id=sub.request_id,
+                                            prefill_only=True)
+            else:
+                stream = self.engine.stream(
+                    prompt, max_tokens=max(1, sub.max_tokens), temperature=sub.temperature,
+                    top_p=sub.top_p, slot=sub.slot, request_id=sub.request_id,
+                    top_logprobs=5 if self.settings.topk else 0,
+                )
             events = await stream.__aenter__()
         except EngineError as exc:
+            self._release(sub.request_id, sub.slot)
             await self._write(self._error(sub.request_id, exc))
             return
-        requests.start_soon(self._relay, sub.request_id, stream, events)
+        requests.start_soon(self._relay, sub, stream, events)
 
     def _error(self, rid: int, exc: EngineError) -> bytes:
         if isinstance(exc, ContextExceeded):
             return mux.encode_error(rid, exc.code, exc.used, exc.limit)
         return mux.encode_error(rid, exc.code)
 
-    async def _relay(self, rid: int, stream, events):
+    async def _relay(self, sub: mux.Submit | mux.Prefill, stream, events):
         """Write one request's frames; the request was accepted before this task starts."""
+        rid = sub.request_id
         try:
             async for event in events:
                 if isinstance(event, TokenEvent):
@@ -174,15 +261,58 @@ class StdioBridge:
                     if frame:
                         await self._write(frame)
                 elif isinstance(event, FinishEvent):
-                    await self._finish(rid, event)
+                    if self.store is not None:
+                        await self.store.persist(sub.slot)  # before the turn's last line
+                    self._release(rid, sub.slot)  # the next command may use the slot at once
+                    await self._write(self._finish(sub, event))
         finally:
+            self._release(rid, sub.slot)
             await stream.__aexit__(None, None, None)
 
-    async def _finish(self, rid: int, event: FinishEvent):
-        stats = event.stats
+    async def _slot_command(self, command: mux.Save | mux.Restore | mux.Erase):
+        """Run a SAVE, RESTORE or ERASE (the slot claimed) and write its answer."""
+        rid, slot = command.request_id, command.slot
+        try:
+            reply = await self._run_slot_command(command)
+        except SessionError as exc:
+            reply = mux.encode_session_refused(rid, str(exc))
+        except EngineError as exc:
+            reply = self._error(rid, exc)
+        except (OSError, ValueError) as exc:  # an unreadable or unwritable path
+            log.warning("request %d: %s", rid, exc if isinstance(command, mux.Erase) else f"{command.path}: {exc}")
+            reply = mux.encode_error(rid, BadRequest.code)
+        finally:
+            self._release(rid, slot)
+        await self._write(reply)
+
+    async def _run_slot_command(self, command: mux.Save | mux.Restore | mux.Erase) -> bytes:
+        rid, slot = command.request_id, command.slot
+        match command:
+            case mux.Save(path=path):
+                f = await self.engine.save_slot(slot, path)
+                return mux.encode_saved(mux.Saved(rid, slot, f.tokens, f.bytes, f.ms))
+            case mux.Restore(path=path):
+                f = await self.engine.restore_slot(slot, path)
+                if self.store is not None:
+                    await self.store.persist(slot)  # a restart finds what the slot holds now
+                return mux.encode_restored(mux.Restored(rid, slot, f.tokens, f.bytes, f.ms))
+            case mux.Erase():
+                tokens = await self.engine.erase_slot(slot)
+                if self.store is not None:
+                    self.store.forget(slot)
+                return mux.encode_erased(mux.Erased(rid, slot, tokens))
+
+    def _finish(self, sub: mux.Submit | mux.Prefill, event: FinishEvent) -> bytes:
+        """A turn's last lines: its DONE with the telemetry block, PREFILLED, or CANCELLED."""
+        rid, stats = sub.request_id, event.stats
+        if isinstance(sub, mux.Prefill):
+            if stats.finish_reason != "prefilled":  # cancelled (or stopped) part way
+                return mux.encode_error(rid, "CANCELLED")
+            ms = stats.total_s * 1000
+            return mux.encode_prefilled(mux.Prefilled(rid, stats.slot, stats.prompt_tokens - 1,
+                                                      stats.reused_tokens, ms))
         if stats.finish_reason == "cancelled":
-            await self._write(mux.encode_error(rid, "CANCELLED"))
-            return
+            return mux.encode_error(rid, "CANCELLED")
         tail = mux.encode_data(rid, event.text_tail) if event.text_tail else b""
         report = event.report
         self.experts.end_turn(report.entropy)
@@ -198,7 +328,7 @@ class StdioBridge:
             rid, stats.emitted_tokens, stats.decode_tokens_per_s, report.hit_pct, rss_gb(),
             stats.prompt_tokens, stats.finish_reason == "length",
         )
-        await self._write(
+        return (
             tail + turn + self._hwinfo() + perf
             + mux.encode_telemetry("ENTROPY", *(f"{h:.3f}" for h in report.entropy))
             + self._gpus(report.gpus) + self._tiers() + self._emap()

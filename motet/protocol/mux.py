@@ -5,8 +5,11 @@ returns typed events, and encoder functions that turn events into bytes. No I/O 
 the stdio bridge and the mux client move the bytes.
 
     server → engine:  SUBMIT, CANCEL, STOP           RequestDecoder / encode_submit ...
+                      SAVE, RESTORE, ERASE, PREFILL  [extension] encode_save ...
     engine → server:  READY, DATA, TOPK, DONE, ERROR, telemetry lines
                                                      ResponseDecoder / encode_data ...
+                      SAVED, RESTORED, ERASED, PREFILLED, ERROR .. SESSION_REFUSED
+                                                     [extension] ExtendedResponseDecoder
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ READY = b"\x01\x01READY\x01\x01"
 MAX_LINE = 64 * 1024  # a header or telemetry line longer than this is refused
 MAX_PAYLOAD = 64 * 1024 * 1024
 MAX_DATA = 64 * 1024  # one DATA frame carries at most this many bytes
+MAX_PATH = 4096  # a SAVE or RESTORE path longer than this (in bytes) is refused
 
 # ---- events: server → engine ---------------------------------------------------------
 
@@ -40,6 +44,44 @@ class Cancel:
 @dataclass(frozen=True)
 class Stop:
     request_id: int
+
+
+# [extension] a slot's KV: session files and prefill-only requests
+
+
+@dataclass(frozen=True)
+class Save:
+    """`SAVE <id> <slot> <bytes>\\n<path>\\n`: write the slot's session file to `path`."""
+
+    request_id: int
+    slot: int
+    path: str
+
+
+@dataclass(frozen=True)
+class Restore:
+    """`RESTORE <id> <slot> <bytes>\\n<path>\\n`: load the session file at `path` into the slot."""
+
+    request_id: int
+    slot: int
+    path: str
+
+
+@dataclass(frozen=True)
+class Erase:
+    """`ERASE <id> <slot>`: forget the slot's history."""
+
+    request_id: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """`PREFILL <id> <slot> <bytes>\\n<payload>\\n`: read the prompt up to its last token."""
+
+    request_id: int
+    slot: int
+    payload: bytes
 
 
 @dataclass(frozen=True)
@@ -194,7 +236,8 @@ class RequestReader:
 
 
 class RequestDecoder(RequestReader):
-    """The engine's reader of SUBMIT / CANCEL / STOP."""
+    """The engine's reader of SUBMIT / CANCEL / STOP, and of motet's SAVE / RESTORE /
+    ERASE / PREFILL [extension]."""
 
     def _next(self):
         if self.pending is not None:
@@ -219,6 +262,11 @@ class RequestDecoder(RequestReader):
             if kind in ("CANCEL", "STOP") and len(args) == 1:
                 rid = _u64(args[0], "id", nonzero=True)
                 return Cancel(rid) if kind == "CANCEL" else Stop(rid)
+            if kind in _SLOT_PAYLOADS:
+                return self._slot_header(kind, args)
+            if kind == "ERASE" and len(args) == 2:
+                rid = _u64(args[0], "id", nonzero=True)
+                return _slot_event(rid, args[1], lambda slot: Erase(rid, slot))
         except ValueError as exc:
             return Malformed(0, f"{kind}: {exc}")
         return Malformed(0, f"unknown or malformed request {kind!r}")
@@ -233,27 +281,71 @@ class RequestDecoder(RequestReader):
             raise ValueError("payload size out of range")
         try:
             fields = (int(args[1]), int(args[3]), float(args[4]), float(args[5]))
-            problem = None
         except ValueError as exc:
-            fields, problem = None, str(exc)
-        # The sizes are known, so the payload is consumed even when a field is bad.
-        self.pending = (rid, n, grammar, fields, problem)
+            problem = str(exc)
+            return self._expect(rid, n + (grammar or 0), lambda body: Malformed(rid, problem))
+
+        def submit(body: bytes) -> Submit:
+            slot, max_tokens, temperature, top_p = fields
+            return Submit(rid, slot, max_tokens, temperature, top_p, body[:n],
+                          body[n:] if grammar is not None else None)
+
+        return self._expect(rid, n + (grammar or 0), submit)
+
+    def _slot_header(self, kind: str, args: list[str]):
+        """SAVE, RESTORE, PREFILL: `<id> <slot> <bytes>`, then that many bytes and `\\n`."""
+        if len(args) != 3:
+            raise ValueError(f"{kind} takes 3 fields, got {len(args)}")
+        rid = _u64(args[0], "id", nonzero=True)
+        n = int(args[2])
+        if not 0 <= n <= MAX_PAYLOAD:
+            raise ValueError("payload size out of range")
+        make, slot = _SLOT_PAYLOADS[kind], args[1]
+        # The size is known, so the payload is consumed even when the slot is bad.
+        return self._expect(rid, n, lambda body: _slot_event(rid, slot, lambda i: make(rid, i, body)))
+
+    def _expect(self, rid: int, n: int, make):
+        """n payload bytes and a `\\n` follow; `make(payload)` is the event they give."""
+        self.pending = (rid, n, make)
         return self._payload()
 
     def _payload(self):
-        rid, n, grammar, fields, problem = self.pending
-        body = self.lines.take(n + (grammar or 0) + 1)
+        rid, n, make = self.pending
+        body = self.lines.take(n + 1)
         if body is None:
             return None
         self.pending = None
         if body[-1:] != b"\n":
             self.closed = True
             return BadFrame(rid)
-        if problem is not None:
-            return Malformed(rid, problem)
-        slot, max_tokens, temperature, top_p = fields
-        grammar_bytes = body[n:-1] if grammar is not None else None
-        return Submit(rid, slot, max_tokens, temperature, top_p, body[:n], grammar_bytes)
+        return make(body[:-1])
+
+
+def _slot_event(rid: int, slot_text: str, make):
+    """The event `make(slot)`, or Malformed(rid) when the slot field is not a number (or
+    make refuses its payload with a ValueError)."""
+    try:
+        return make(int(slot_text))
+    except ValueError as exc:
+        return Malformed(rid, str(exc))
+
+
+def _path(payload: bytes) -> str:
+    if not payload or len(payload) > MAX_PATH:
+        raise ValueError(f"a path is 1 to {MAX_PATH} bytes, got {len(payload)}")
+    if b"\x00" in payload:
+        raise ValueError("a path cannot hold a NUL byte")
+    try:
+        return payload.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("a path must be UTF-8") from None
+
+
+_SLOT_PAYLOADS = {  # the request kinds with a slot and a byte-counted payload
+    "SAVE": lambda rid, slot, body: Save(rid, slot, _path(body)),
+    "RESTORE": lambda rid, slot, body: Restore(rid, slot, _path(body)),
+    "PREFILL": Prefill,
+}
 
 
 def encode_submit(s: Submit) -> bytes:
@@ -268,6 +360,24 @@ def encode_cancel(request_id: int) -> bytes:
 
 def encode_stop(request_id: int) -> bytes:
     return f"STOP {request_id}\n".encode()
+
+
+def encode_save(s: Save) -> bytes:
+    path = s.path.encode("utf-8")
+    return f"SAVE {s.request_id} {s.slot} {len(path)}\n".encode() + path + b"\n"
+
+
+def encode_restore(r: Restore) -> bytes:
+    path = r.path.encode("utf-8")
+    return f"RESTORE {r.request_id} {r.slot} {len(path)}\n".encode() + path + b"\n"
+
+
+def encode_erase(e: Erase) -> bytes:
+    return f"ERASE {e.request_id} {e.slot}\n".encode()
+
+
+def encode_prefill(p: Prefill) -> bytes:
+    return f"PREFILL {p.request_id} {p.slot} {len(p.payload)}\n".encode() + p.payload + b"\n"
 
 
 # ---- engine → server ---------------------------------------------------------------------
@@ -352,11 +462,11 @@ class ResponseDecoder:
         kind = words[0].decode("ascii", "replace")
         args = [w.decode("ascii", "replace") for w in words[1:]]
         try:
-            return self._parse(kind, args)
+            return self._parse(kind, args, line)
         except (ValueError, IndexError) as exc:
             return BadLine(line, f"{kind}: {exc}")
 
-    def _parse(self, kind: str, args: list[str]):
+    def _parse(self, kind: str, args: list[str], line: bytes):
         if kind == "DATA":
             if len(args) != 2:
                 raise ValueError("DATA takes an id and a byte count")
@@ -416,11 +526,87 @@ class LoadFail:
     detail: str
 
 
-class ExtendedResponseDecoder(ResponseDecoder):
-    """A ResponseDecoder that also reads motet's extension lines (TURN, LOAD_FAIL), which
-    the plain decoder skips as unknown kinds."""
+@dataclass(frozen=True)
+class Saved:
+    """`SAVED <id> <slot> <tokens> <bytes> <ms>`: the slot's session file is written."""
 
-    def _parse(self, kind: str, args: list[str]):
+    request_id: int
+    slot: int
+    tokens: int  # token ids whose KV the file holds
+    bytes: int  # the file's size
+    ms: float
+
+
+@dataclass(frozen=True)
+class Restored:
+    """`RESTORED <id> <slot> <tokens> <bytes> <ms>`: the slot holds the file's KV."""
+
+    request_id: int
+    slot: int
+    tokens: int
+    bytes: int
+    ms: float
+
+
+@dataclass(frozen=True)
+class Erased:
+    """`ERASED <id> <slot> <tokens>`: the slot forgot the tokens it held."""
+
+    request_id: int
+    slot: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """`PREFILLED <id> <slot> <tokens> <reused> <ms>`: the slot's KV holds `tokens` tokens
+    of the prompt (all but its last), `reused` of them already there before."""
+
+    request_id: int
+    slot: int
+    tokens: int
+    reused: int
+    ms: float
+
+
+@dataclass(frozen=True)
+class SessionRefused:
+    """`ERROR <id> SESSION_REFUSED <reason>`: a session file the engine will not restore."""
+
+    request_id: int
+    reason: str
+
+
+def encode_saved(e: Saved) -> bytes:
+    return f"SAVED {e.request_id} {e.slot} {e.tokens} {e.bytes} {e.ms:.1f}\n".encode()
+
+
+def encode_restored(e: Restored) -> bytes:
+    return f"RESTORED {e.request_id} {e.slot} {e.tokens} {e.bytes} {e.ms:.1f}\n".encode()
+
+
+def encode_erased(e: Erased) -> bytes:
+    return f"ERASED {e.request_id} {e.slot} {e.tokens}\n".encode()
+
+
+def encode_prefilled(e: Prefilled) -> bytes:
+    return f"PREFILLED {e.request_id} {e.slot} {e.tokens} {e.reused} {e.ms:.1f}\n".encode()
+
+
+def encode_session_refused(request_id: int, reason: str) -> bytes:
+    """The reason on one line: its whitespace (newlines too) becomes single spaces."""
+    return encode_error(request_id, "SESSION_REFUSED", " ".join(reason.split()) or "refused")
+
+
+_COUNTED_REPLIES = {"SAVED": Saved, "RESTORED": Restored, "PREFILLED": Prefilled}
+
+
+class ExtendedResponseDecoder(ResponseDecoder):
+    """A ResponseDecoder that also reads motet's extension lines (TURN, LOAD_FAIL, SAVED,
+    RESTORED, ERASED, PREFILLED, ERROR .. SESSION_REFUSED), which the plain decoder skips
+    as unknown kinds (or reads as a plain Error)."""
+
+    def _parse(self, kind: str, args: list[str], line: bytes):
         if kind == "TURN":
             if len(args) != 4:
                 raise ValueError("TURN takes an id, a slot, reused tokens and seconds")
@@ -428,4 +614,17 @@ class ExtendedResponseDecoder(ResponseDecoder):
         if kind == "LOAD_FAIL":
             fail_kind = args[0].removeprefix("kind=") if args else ""
             return LoadFail(fail_kind, " ".join(args[1:]))
-        return super()._parse(kind, args)
+        if kind in ("SAVED", "RESTORED", "PREFILLED"):
+            if len(args) != 5:
+                raise ValueError(f"{kind} takes an id, a slot, two counts and milliseconds")
+            counts = (int(args[1]), int(args[2]), int(args[3]))
+            return _COUNTED_REPLIES[kind](_u64(args[0], "id", nonzero=True), *counts, float(args[4]))
+        if kind == "ERASED":
+            if len(args) != 3:
+                raise ValueError("ERASED takes an id, a slot and a token count")
+            return Erased(_u64(args[0], "id", nonzero=True), int(args[1]), int(args[2]))
+        if kind == "ERROR" and args[1:2] == ["SESSION_REFUSED"]:
+            # The reason is free text (UTF-8): the rest of the line after the code, as written.
+            reason = b"".join(line.split(None, 3)[3:]).strip()
+            return SessionRefused(_u64(args[0], "id"), reason.decode("utf-8", "replace"))
+        return super()._parse(kind, args, line)
