@@ -1,6 +1,6 @@
 """`motet serve`'s slot routes (`POST /slots/{id_slot}?action=save|restore|erase`), on the
-real server over the in-process Engine and the tiny llama, called with httpx: a save,
-erase and restore round trip that the next request reuses, every bad input refused with
+real server over the tiny llama, called with httpx: a save,
+erase and restore round trip that the next request reuses (on both backends), every bad input refused with
 the right status and a message, filenames that would leave the slot folder refused (and
 nothing written outside it), the API key, and the 501 without `--slot-save-path`.
 No mocks; hard timeouts (the server fixture's); no timing assertions."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_http import TIMEOUT, tiny_server
+from test_http import TIMEOUT, serve_tiny, tiny_server  # noqa: F401 - serve_tiny is a fixture
 
 from motet.cli import build_parser
 from motet.http.settings import ServeSettings
@@ -66,9 +66,10 @@ def assert_error(response: httpx.Response, status: int, *, param=None, code=None
 # ---- the round trip ------------------------------------------------------------------
 
 
-async def test_save_erase_restore_round_trip_is_reused_by_the_next_request(llama, tmp_path):
+async def test_save_erase_restore_round_trip_is_reused_by_the_next_request(serve_tiny, tmp_path):
+    """On both backends: the in-process Engine, and `motet mux` under --engine-cmd."""
     folder = tmp_path / "made" / "slots"  # missing: the server creates it
-    async with tiny_server(llama, slot_save_path=folder) as (engine, url):
+    async with serve_tiny(slot_save_path=folder) as (engine, url):
         async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as http:
             text, cached = await complete(http, 0)
             assert cached == 0
