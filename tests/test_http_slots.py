@@ -13,12 +13,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_http import TIMEOUT, serve_tiny, tiny_server  # noqa: F401 - serve_tiny is a fixture
+import test_http
+from test_http import TIMEOUT, tiny_server
 
 from motet.cli import build_parser
 from motet.http.settings import ServeSettings
 from motet.http.openai_schema import InvalidRequest
 from motet.http.slots import FILENAME_PATTERN, MAX_FILENAME_BYTES, check_filename
+
+serve_tiny = test_http.serve_tiny  # the fixture: the server on either backend
 
 KEY = "slot-key-0123"
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"
