@@ -25,6 +25,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-cache", type=Path,
                    default=Path(os.environ.get("MOTET_COMPILE_CACHE", Path.home() / ".cache" / "motet" / "jax")),
                    help="JAX persistent compilation cache directory ('' to disable)")
+    p.add_argument("--mesh", default=os.environ.get("MOTET_MESH") or None, metavar="ep=N,tp=M",
+                   help="shard the model over this process's devices: experts along ep, heads and FFN "
+                   "widths along tp (MOTET_MESH; docs/scaling.md)")
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -130,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def model_settings(args) -> ModelSettings:
     cache = args.compile_cache if str(args.compile_cache) not in ("", ".") else None
-    return ModelSettings(path=args.model, dtype=args.dtype, max_context=args.max_context, compile_cache=cache)
+    return ModelSettings(path=args.model, dtype=args.dtype, max_context=args.max_context, compile_cache=cache,
+                         mesh=args.mesh)
 
 
 def sampling_settings(args) -> SamplingSettings:
@@ -148,7 +152,7 @@ def open_model(settings: ModelSettings, lazy_experts: bool = False):
 
     log.info("loading %s", settings.path or "the default model (SmolLM2-135M-Instruct)")
     return load_model(settings.path, dtype=settings.dtype, max_context=settings.max_context,
-                      lazy_experts=lazy_experts)
+                      lazy_experts=lazy_experts and settings.mesh is None, mesh=settings.mesh)
 
 
 def cmd_info(args) -> int:
@@ -284,7 +288,8 @@ def cmd_mux(args) -> int:
     from .model import ModelError, ModelFileError, UnsupportedModelError, load_model
 
     try:
-        loaded = load_model(mux.model, dtype=args.dtype, lazy_experts=mux.experts.mode != "resident")
+        loaded = load_model(mux.model, dtype=args.dtype, mesh=args.mesh,
+                            lazy_experts=mux.experts.mode != "resident" and args.mesh is None)
     except (ModelError, OSError, MemoryError) as exc:
         # An extension servers may read instead of READY; the reason also goes to stderr.
         kind = ("nomem" if isinstance(exc, MemoryError)
@@ -298,7 +303,8 @@ def cmd_mux(args) -> int:
 
     async def serve():
         kv_slots = 1 if mux.legacy else mux.kv_slots
-        async with Engine(loaded, kv_slots=kv_slots, max_context=mux.context, experts=mux.experts) as engine:
+        async with Engine(loaded, kv_slots=kv_slots, max_context=mux.context, experts=mux.experts,
+                          mesh=args.mesh) as engine:
             stdin = trio.lowlevel.FdStream(os.dup(0))
             stdout = trio.lowlevel.FdStream(protocol_fd)
             if mux.legacy:

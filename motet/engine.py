@@ -25,6 +25,7 @@ from .actors.runner import ModelRunner
 from .actors.scheduler import Cancel, Drain, Scheduler, StopNow, Submit, Subscribe
 from .model.kv import KVGeometry
 from .model.model import Model
+from .model.sharding import MeshSpec
 from .model.tiered import shared_weight_bytes
 from .runtime.actor import open_reply, open_stream
 from . import sessions
@@ -84,9 +85,11 @@ class Engine(Service):
         prefill_chunk: int = 256,
         queue_limit: int = 64,
         experts: ExpertSettings | None = None,
+        mesh: MeshSpec | str | None = None,
     ):
         """experts: where a MoE model's experts live (default: all on the device unless
-        a budget says otherwise; see ExpertSettings)."""
+        a budget says otherwise; see ExpertSettings). mesh: shard the model over several
+        devices of this process, e.g. "ep=2,tp=2" (docs/scaling.md); experts stay resident."""
         if not 1 <= kv_slots <= MAX_SLOTS:
             raise ValueError(f"kv_slots must be in [1, {MAX_SLOTS}], got {kv_slots}")
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
@@ -98,6 +101,7 @@ class Engine(Service):
         self.prefill_chunk = prefill_chunk
         self.queue_limit = queue_limit
         self.expert_settings = experts or ExpertSettings()
+        self.mesh = None if mesh is None else MeshSpec.of(mesh)
         self.expert_plan: ExpertPlan | None = None
         self.heat_file: HeatFile | None = None
         self._expert_cache: ExpertCache | None = None
@@ -121,7 +125,8 @@ class Engine(Service):
         policy = await trio.to_thread.run_sync(self._plan_experts)
         runner = await trio.to_thread.run_sync(
             partial(ModelRunner, self.model, geo, self.expert_plan,
-                    prefetch=self.expert_settings.prefetch, rank=policy.rank() if policy else None)
+                    prefetch=self.expert_settings.prefetch, rank=policy.rank() if policy else None,
+                    mesh=self.mesh)
         )
         if policy is not None:
             self._expert_cache = ExpertCache(policy, tiered=self.expert_plan.mode == "tiered",
@@ -159,8 +164,8 @@ class Engine(Service):
         started = time.monotonic()
         log.info("loading %s", self._model_arg or "the default model")
         # Unless forced resident, the experts stay in the file until the plan is known.
-        lazy = self.expert_settings.mode != "resident"
-        model = load_model(self._model_arg, dtype=self.dtype, lazy_experts=lazy)
+        lazy = self.expert_settings.mode != "resident" and self.mesh is None
+        model = load_model(self._model_arg, dtype=self.dtype, lazy_experts=lazy, mesh=self.mesh)
         log.info("model ready in %.1f s", time.monotonic() - started)
         return model
 

@@ -285,7 +285,7 @@ def run_worker(args) -> int:
 
         jax.config.update("jax_compilation_cache_dir", str(args.compile_cache))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    engine = dict(kv_slots=args.kv_slots, max_context=args.max_context or 4096, dtype=args.dtype)
+    engine = dict(kv_slots=args.kv_slots, max_context=args.max_context or 4096, dtype=args.dtype, mesh=args.mesh)
     try:
         with sole_error():
             trio.run(serve_worker, args.model, engine, settings)

@@ -5,7 +5,7 @@ the scheduler's one worker thread; nothing else touches device state."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -13,10 +13,11 @@ import numpy as np
 
 from ..model.expert_pool import DEVICE, ExpertPool, Placement
 from ..model.expert_source import ArrayExpertReader
-from ..model.generate import decode_step, prefill_slot
+from ..model.generate import decode_step, model_kv_sharding, prefill_slot
 from ..model.kv import KVGeometry, init_kv, read_slot_layer, write_slot_layer
 from ..model.model import Model
 from ..model.sampling import request_key, sample
+from ..model.sharding import MeshSpec, mesh_of, model_mesh, place_weights
 from ..model.tiered import EXPERT_KEYS, shared_weight_bytes
 from ..model.tiered_model import TieredModel
 from ..runtime.api import ExpertTiers
@@ -62,14 +63,29 @@ class ExpertStep:
 
 class ModelRunner:
     def __init__(self, model: Model, geo: KVGeometry, plan: ExpertPlan | None = None, *,
-                 prefetch: bool = True, rank: np.ndarray | None = None):
+                 prefetch: bool = True, rank: np.ndarray | None = None,
+                 mesh: MeshSpec | str | None = None):
         """plan: resident (None) or tiered experts; rank: the initial heat per (MoE layer,
-        expert) the tiered pool starts from (hottest first onto the device)."""
+        expert) the tiered pool starts from (hottest first onto the device); mesh: shard
+        the weights and the KV over several devices (model/sharding.py) — weights loaded
+        onto that mesh already stay where they are."""
+        cfg = model.config
+        tiered = plan is not None and plan.mode == "tiered"
+        if tiered and (mesh is not None or mesh_of(model.weights) is not None):
+            raise ValueError("tiered experts do not run on a device mesh yet: keep the experts "
+                             "resident (a budget that fits them all) or leave out the mesh")
+        if mesh is not None:
+            mesh = model_mesh(mesh, cfg)
+            placed = mesh_of(model.weights)
+            if placed is None:
+                model = replace(model, weights=place_weights(model.weights, cfg, mesh))
+            elif placed != mesh:
+                raise ValueError(f"the model's weights are sharded over another mesh ({dict(placed.shape)}); "
+                                 f"load them on one device or on the same mesh ({dict(mesh.shape)})")
         self.model = model
         self.geo = geo
-        cfg = model.config
         dtype = model.weights["lm_head"].dtype
-        self.kv = init_kv(cfg, geo, dtype)
+        self.kv = init_kv(cfg, geo, dtype, model_kv_sharding(model))
         # Seconds spent sampling so far: the scheduler splits a step's time with it.
         self.sample_seconds = 0.0
         self.shared_bytes = shared_weight_bytes(model.weights)

@@ -8,18 +8,25 @@ writing the same donated array in one step makes XLA copy the whole cache.
 
 Dimension letters: t tokens, b batch rows, h query heads, k KV heads, g query heads per
 KV head, d head dim, l cached positions (one block), s positions in the chunk.
+
+On a device mesh (weights placed by sharding.py) prefill and decode run as one
+shard_map over it: the layer code below sees this device's heads, experts and widths
+(`cfg` then counts the local heads) and adds the explicit psums; see sharding.py.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
 
 from .config import ModelConfig
 from .moe import dense_ffn, moe_ffn
+from .sharding import KV_SPEC, TP, axis_size, mesh_of, weight_specs
 
 F32 = jnp.float32
 
@@ -41,14 +48,24 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def qkv(cfg: ModelConfig, layer: dict, x: jax.Array, positions: jax.Array):
+def _rms_norm_tp(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """rms_norm over a vector split along tp (this shard holds x's share of the channels)."""
+    x32 = x.astype(F32)
+    total = x.shape[-1] * jax.lax.psum(1, TP)
+    ms = jax.lax.psum(jnp.sum(x32 * x32, axis=-1, keepdims=True), TP) / total
+    return (x32 * jax.lax.rsqrt(ms + eps) * w).astype(x.dtype)
+
+
+def qkv(cfg: ModelConfig, layer: dict, x: jax.Array, positions: jax.Array, mesh: Mesh | None = None):
     """Normed, rotated q [t, h, d], k [t, k, d] and v [t, k, d] for the tokens x [t, model]."""
     hd, nq, nk = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     proj = jnp.dot(x, layer["wqkv"])
     q, k, v = jnp.split(proj, [nq * hd, (nq + nk) * hd], axis=-1)
     if cfg.qk_norm == "full":
-        q = rms_norm(q, layer["q_norm"], cfg.rms_eps)
-        k = rms_norm(k, layer["k_norm"], cfg.rms_eps)
+        # over the whole projection, all heads: on a tp mesh the shards' sums are added
+        norm = _rms_norm_tp if axis_size(mesh, TP) > 1 else rms_norm
+        q = norm(q, layer["q_norm"], cfg.rms_eps)
+        k = norm(k, layer["k_norm"], cfg.rms_eps)
     q, k, v = (a.reshape(a.shape[0], -1, hd) for a in (q, k, v))
     if cfg.qk_norm == "head":
         q = rms_norm(q, layer["q_norm"], cfg.rms_eps)
@@ -135,11 +152,11 @@ def attend_rows(cfg, q, k, v, k_cache, v_cache, slots, positions):
     return out.reshape(b, -1)
 
 
-def ffn(cfg: ModelConfig, layer: dict, x: jax.Array, moe_impl: str):
+def ffn(cfg: ModelConfig, layer: dict, x: jax.Array, moe_impl: str, mesh: Mesh | None = None):
     """(output, chosen expert ids [t, k] or None for a dense layer)."""
     if "router" in layer:
-        return moe_ffn(cfg, layer, x, moe_impl)
-    return dense_ffn(layer, x), None
+        return moe_ffn(cfg, layer, x, moe_impl, mesh)
+    return dense_ffn(layer, x, mesh), None
 
 
 def lm_head(cfg: ModelConfig, weights: dict, x: jax.Array) -> jax.Array:
@@ -153,34 +170,72 @@ def embed(weights: dict, tokens: jax.Array) -> jax.Array:
     return weights["lm_head"][:, tokens].T  # tied: a column per token
 
 
-def _layers(cfg, weights, x, positions, attend, moe_impl):
+def _layers(cfg, weights, x, positions, attend, moe_impl, mesh=None):
     """Run every layer; attend(i, q, k, v) is the attention for layer i. Returns the final
-    hidden states, each layer's new K and V rows, and each MoE layer's expert ids."""
+    hidden states, each layer's new K and V rows, and each MoE layer's expert ids.
+    mesh: inside shard_map over it (cfg counts this shard's heads)."""
     new_k, new_v, routing = [], [], []
+    tp = axis_size(mesh, TP) > 1
     for i, layer in enumerate(weights["layers"]):
-        q, k, v = qkv(cfg, layer, rms_norm(x, layer["attn_norm"], cfg.rms_eps), positions)
+        q, k, v = qkv(cfg, layer, rms_norm(x, layer["attn_norm"], cfg.rms_eps), positions, mesh)
         new_k.append(k)
         new_v.append(v)
-        x = x + jnp.dot(attend(i, q, k, v), layer["wo"])
-        y, ids = ffn(cfg, layer, rms_norm(x, layer["ffn_norm"], cfg.rms_eps), moe_impl)
+        out = jnp.dot(attend(i, q, k, v), layer["wo"])  # row-parallel over tp: partial sums
+        x = x + (jax.lax.psum(out, TP) if tp else out)
+        y, ids = ffn(cfg, layer, rms_norm(x, layer["ffn_norm"], cfg.rms_eps), moe_impl, mesh)
         x = x + y
         if ids is not None:
             routing.append(ids)
     return x, new_k, new_v, routing
 
 
-@partial(jax.jit, static_argnames=("cfg", "with_history", "all_logits", "moe_impl"))
-def prefill(
-    weights, k_cache, v_cache, tokens, slot, offset, n_valid, *, cfg, with_history=True,
-    all_logits=False, moe_impl="auto",
-):
+def _local(cfg: ModelConfig, mesh: Mesh) -> ModelConfig:
+    """The config as one shard sees it: its own attention and KV heads."""
+    tp = mesh.shape[TP]
+    return replace(cfg, n_heads=cfg.n_heads // tp, n_kv_heads=cfg.n_kv_heads // tp)
+
+
+def _on_mesh(body, mesh, cfg, weights, caches, args, out_kv: tuple[P, P], n_moe: int):
+    """body(weights, *caches, *args) as a shard_map over the mesh: weights split as
+    sharding.py says, caches along their KV heads, args replicated; logits and routing
+    come back replicated, the new K and V rows split along their KV-head axis."""
+    n_layers = len(weights["layers"])
+    kv_in = [[KV_SPEC] * len(c) for c in caches]
+    out_specs = (P(), [out_kv[0]] * n_layers, [out_kv[1]] * n_layers, [P()] * n_moe)
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(weight_specs(cfg, weights), *kv_in, *[P()] * len(args)),
+        out_specs=out_specs, check_vma=False,
+    )(weights, *caches, *args)
+
+
+def prefill(weights, k_cache, v_cache, tokens, slot, offset, n_valid, *, cfg, with_history=True,
+            all_logits=False, moe_impl="auto"):
     """Prefill a chunk of tokens [t] (the first n_valid real, the rest padding) into `slot`
     at position `offset`, attending to the slot's first `offset` cached positions
     (with_history=False: a fresh sequence, and the caches may be empty lists).
 
     Returns (logits [t, vocab] if all_logits else [vocab] of the last real token,
     new K per layer [k, d, t], new V per layer [k, t, d], expert ids per MoE layer [t, k]).
+    Weights placed on a mesh (sharding.py) run sharded over it.
     """
+    return _prefill(weights, k_cache, v_cache, tokens, slot, offset, n_valid, cfg=cfg,
+                    with_history=with_history, all_logits=all_logits, moe_impl=moe_impl,
+                    mesh=mesh_of(weights))
+
+
+@partial(jax.jit, static_argnames=("cfg", "with_history", "all_logits", "moe_impl", "mesh"))
+def _prefill(weights, k_cache, v_cache, tokens, slot, offset, n_valid, *, cfg, with_history,
+             all_logits, moe_impl, mesh):
+    body = partial(_prefill_body, with_history=with_history, all_logits=all_logits, moe_impl=moe_impl)
+    if mesh is None:
+        return body(weights, k_cache, v_cache, tokens, slot, offset, n_valid, cfg=cfg)
+    split = P(TP, None, None)  # new K [k, d, t], V [k, t, d]
+    return _on_mesh(partial(body, cfg=_local(cfg, mesh), mesh=mesh), mesh, cfg, weights,
+                    (k_cache, v_cache), (tokens, slot, offset, n_valid), (split, split), sum(cfg.moe_layers))
+
+
+def _prefill_body(weights, k_cache, v_cache, tokens, slot, offset, n_valid, *, cfg, with_history,
+                  all_logits, moe_impl, mesh=None):
     positions = offset + jnp.arange(tokens.shape[0])
     x = embed(weights, tokens)
 
@@ -189,7 +244,7 @@ def prefill(
             return attend_chunk(cfg, q, k, v, None, None, slot, offset)
         return attend_chunk(cfg, q, k, v, k_cache[i], v_cache[i], slot, offset)
 
-    x, new_k, new_v, routing = _layers(cfg, weights, x, positions, attend, moe_impl)
+    x, new_k, new_v, routing = _layers(cfg, weights, x, positions, attend, moe_impl, mesh)
     if not all_logits:
         x = jax.lax.dynamic_slice_in_dim(x, n_valid - 1, 1)
     logits = lm_head(cfg, weights, x)
@@ -198,20 +253,34 @@ def prefill(
     return (logits if all_logits else logits[0]), new_k, new_v, routing
 
 
-@partial(jax.jit, static_argnames=("cfg", "moe_impl"))
 def decode(weights, k_cache, v_cache, tokens, slots, positions, *, cfg, moe_impl="auto"):
     """One decode step for rows b: token tokens[b] at positions[b] in slot slots[b],
     attending to that slot's cached positions < positions[b].
 
     Returns (logits [b, vocab], new K rows per layer [b, k, d], new V rows per layer,
-    expert ids per MoE layer [b, k]).
+    expert ids per MoE layer [b, k]). Weights placed on a mesh run sharded over it.
     """
+    return _decode(weights, k_cache, v_cache, tokens, slots, positions, cfg=cfg, moe_impl=moe_impl,
+                   mesh=mesh_of(weights))
+
+
+@partial(jax.jit, static_argnames=("cfg", "moe_impl", "mesh"))
+def _decode(weights, k_cache, v_cache, tokens, slots, positions, *, cfg, moe_impl, mesh):
+    body = partial(_decode_body, moe_impl=moe_impl)
+    if mesh is None:
+        return body(weights, k_cache, v_cache, tokens, slots, positions, cfg=cfg)
+    split = P(None, TP, None)  # new K and V rows [b, k, d]
+    return _on_mesh(partial(body, cfg=_local(cfg, mesh), mesh=mesh), mesh, cfg, weights,
+                    (k_cache, v_cache), (tokens, slots, positions), (split, split), sum(cfg.moe_layers))
+
+
+def _decode_body(weights, k_cache, v_cache, tokens, slots, positions, *, cfg, moe_impl, mesh=None):
     x = embed(weights, tokens)
 
     def attend(i, q, k, v):
         return attend_rows(cfg, q, k, v, k_cache[i], v_cache[i], slots, positions)
 
-    x, new_k, new_v, routing = _layers(cfg, weights, x, positions, attend, moe_impl)
+    x, new_k, new_v, routing = _layers(cfg, weights, x, positions, attend, moe_impl, mesh)
     return lm_head(cfg, weights, x), new_k, new_v, routing
 
 

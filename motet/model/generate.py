@@ -13,6 +13,14 @@ from .forward import decode, prefill, write_chunk, write_rows
 from .kv import KVGeometry, batch_bucket, bucket, init_kv
 from .model import Model
 from .sampling import request_key, sample
+from .sharding import kv_sharding, mesh_of
+
+
+def model_kv_sharding(model: Model):
+    """Where the model's KV cache goes: split with its heads on the weights' mesh, or
+    None (the default device)."""
+    mesh = mesh_of(model.weights)
+    return None if mesh is None else kv_sharding(mesh)
 
 
 def _routing(per_layer: list, rows: int) -> np.ndarray:
@@ -95,7 +103,7 @@ def generate(model: Model, prompt_ids: Sequence[int], *, max_tokens: int, temper
     if len(prompt_ids) >= limit:
         raise ContextLengthError(len(prompt_ids), limit)
     geo = KVGeometry(n_slots=1, max_context=limit, chunk=chunk)
-    kv = init_kv(model.config, geo, model.weights["lm_head"].dtype)
+    kv = init_kv(model.config, geo, model.weights["lm_head"].dtype, model_kv_sharding(model))
     logits, kv = prefill_slot(model, kv, geo, 0, prompt_ids, 0)
     logits = logits[None]
     key = request_key(seed)[None]

@@ -53,12 +53,15 @@ class KVGeometry:
         return self.n_slots
 
 
-def init_kv(cfg: ModelConfig, geo: KVGeometry, dtype=jnp.float32):
+def init_kv(cfg: ModelConfig, geo: KVGeometry, dtype=jnp.float32, sharding=None):
     """Zeroed caches, per layer: K [slots + 1, kv_heads, head_dim, length] and
-    V [slots + 1, kv_heads, length, head_dim] (see forward.py)."""
+    V [slots + 1, kv_heads, length, head_dim] (see forward.py). sharding: where they
+    live (on a mesh: sharding.kv_sharding, split along kv_heads); None: the default device."""
     slots = geo.n_slots + 1
-    k = [jnp.zeros((slots, cfg.n_kv_heads, cfg.head_dim, geo.length), dtype) for _ in range(cfg.n_layers)]
-    v = [jnp.zeros((slots, cfg.n_kv_heads, geo.length, cfg.head_dim), dtype) for _ in range(cfg.n_layers)]
+    k = [jnp.zeros((slots, cfg.n_kv_heads, cfg.head_dim, geo.length), dtype, device=sharding)
+         for _ in range(cfg.n_layers)]
+    v = [jnp.zeros((slots, cfg.n_kv_heads, geo.length, cfg.head_dim), dtype, device=sharding)
+         for _ in range(cfg.n_layers)]
     return k, v
 
 

@@ -12,6 +12,7 @@ from functools import partial
 from pathlib import Path
 
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from .chat_template import CHATML_TEMPLATE, render_chat
 from .config import config_from_gguf, config_from_hf
@@ -20,6 +21,7 @@ from .expert_source import SourceExpertReader
 from .gguf_file import GGUF_MAGIC, GGUFSource, gguf_metadata, open_gguf
 from .model import Model
 from .safetensors_dir import SafetensorsSource
+from .sharding import MeshSpec, model_mesh
 from .tokenizer import Tokenizer
 from .weights import pack_weights
 
@@ -45,9 +47,11 @@ def default_model_path() -> Path:
 
 
 def load_model(path: str | Path | None = None, dtype: str = "float32", max_context: int | None = None,
-               lazy_experts: bool = False) -> Model:
+               lazy_experts: bool = False, mesh: MeshSpec | str | Mesh | None = None) -> Model:
     """lazy_experts: leave a MoE model's experts in the (mmapped) file, for a tiered
-    expert pool to read one at a time; the model then has an `expert_reader`."""
+    expert pool to read one at a time; the model then has an `expert_reader`.
+    mesh: shard the weights over several devices ("ep=4,tp=2", a MeshSpec or a Mesh with
+    axes (ep, tp); see sharding.py), each leaf read into its shards directly."""
     if dtype not in DTYPES:
         raise UnsupportedModelError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     path = default_model_path() if path is None else Path(path)
@@ -63,9 +67,15 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", max_conte
             raise ValueError(f"max_context must be positive, got {max_context}")
         cfg = replace(cfg, max_context=max_context)
     lazy = lazy_experts and cfg.is_moe
-    weights = pack_weights(cfg, source, DTYPES[dtype], experts=not lazy)
-    log.info("loaded %s (%s, %s%s) in %.1f s", path, cfg.arch, dtype,
-             ", experts left in the file" if lazy else "", time.monotonic() - started)
+    if mesh is not None:
+        if lazy:
+            raise ValueError("tiered (lazily loaded) experts do not run on a device mesh yet; "
+                             "load the experts resident or leave out the mesh")
+        mesh = model_mesh(mesh, cfg)
+    weights = pack_weights(cfg, source, DTYPES[dtype], experts=not lazy, mesh=mesh)
+    log.info("loaded %s (%s, %s%s%s) in %.1f s", path, cfg.arch, dtype,
+             ", experts left in the file" if lazy else "",
+             f", sharded over {dict(mesh.shape)}" if mesh is not None else "", time.monotonic() - started)
     reader = SourceExpertReader(cfg, source) if lazy else None
     return Model(config=cfg, weights=weights, tokenizer=tokenizer, path=path, dtype=dtype,
                  expert_reader=reader)

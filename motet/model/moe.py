@@ -2,14 +2,20 @@
 
 Dimension letters: t tokens, k experts per token, d model width, f expert width,
 e experts, a assignments (t·k token-expert pairs).
+
+On a device mesh (sharding.py) this runs inside shard_map: each device holds e/ep
+experts (f/tp of each one's width), sees every token, computes only the assignments
+routed to its own experts and skips the rest; a psum over (ep, tp) adds the shares.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from .config import ModelConfig
+from .sharding import EP, TP
 
 MOE_IMPLS = ("auto", "grouped", "ragged")
 
@@ -35,28 +41,32 @@ def _by_expert(ids: jax.Array, n_experts: int):
     return jnp.argsort(flat, stable=True), jnp.bincount(flat, length=n_experts)
 
 
-def experts_grouped(x, weights, ids, gate_up, down, block: int):
+def experts_grouped(x, weights, ids, gate_up, down, block: int, elsewhere: bool = False):
     """Sort the assignments by expert, pad each expert's group to whole blocks of `block`
     rows, and loop over the blocks in use: each slices its expert's matrices once and
     multiplies its rows. Each chosen expert's weights are read once per block, unchosen
     experts never; nothing is dropped.
+
+    elsewhere: ids == e marks an assignment whose expert is on another device; those sort
+    last, after every block in use, and are never computed (their output is zero).
 
     A loop whose body slices the weights is the fast form on XLA:CPU: a gather of all the
     chosen matrices at once is copied first, several times slower.
     """
     t, k = ids.shape
     n_experts, d, f2 = gate_up.shape
+    groups = n_experts + elsewhere
     a = t * k
-    order, sizes = _by_expert(ids, n_experts)
+    order, sizes = _by_expert(ids, groups)
     padded = (sizes + block - 1) // block * block
     padded_end = jnp.cumsum(padded)
     start, padded_start = jnp.cumsum(sizes) - sizes, padded_end - padded
     sorted_experts = ids.reshape(-1)[order]
     dest = padded_start[sorted_experts] + jnp.arange(a) - start[sorted_experts]
-    capacity = -(-(a + min(a, n_experts) * (block - 1)) // block) * block
+    capacity = -(-(a + min(a, groups) * (block - 1)) // block) * block
     token = order // k
     rows = jnp.zeros((capacity, d), x.dtype).at[dest].set(x[token])
-    used_blocks = padded_end[-1] // block
+    used_blocks = padded_end[n_experts - 1] // block
     block_expert = jnp.searchsorted(padded_end, jnp.arange(capacity // block) * block, side="right")
 
     def one(n, out):
@@ -72,10 +82,13 @@ def experts_grouped(x, weights, ids, gate_up, down, block: int):
     return jnp.zeros_like(x).at[token].add(ys * w[:, None])
 
 
-def experts_ragged(x, weights, ids, gate_up, down):
-    """Grouped matmul with `lax.ragged_dot`: the fast path on GPUs and TPUs."""
+def experts_ragged(x, weights, ids, gate_up, down, elsewhere: bool = False):
+    """Grouped matmul with `lax.ragged_dot`: the fast path on GPUs and TPUs. elsewhere: as
+    experts_grouped (the rows past the last local group come out zero)."""
     t, k = ids.shape
-    order, sizes = _by_expert(ids, gate_up.shape[0])
+    n_experts = gate_up.shape[0]
+    order, sizes = _by_expert(ids, n_experts + elsewhere)
+    sizes = sizes[:n_experts]
     token = order // k
     h = jax.lax.ragged_dot(x[token], gate_up, sizes)
     ys = jax.lax.ragged_dot(swiglu(h), down, sizes)
@@ -89,22 +102,40 @@ def group_block(assignments: int, n_experts: int) -> int:
     return min(64, 1 << (share.bit_length() - 1))
 
 
-def moe_ffn(cfg: ModelConfig, layer: dict, x: jax.Array, impl: str = "auto"):
-    """(output [t, d], the chosen expert ids [t, k])."""
+def local_experts(weights: jax.Array, ids: jax.Array, n_local: int):
+    """Inside shard_map: this ep shard's view of the routing. Its experts keep their
+    local index; the others become n_local (elsewhere) with weight 0."""
+    local = ids - jax.lax.axis_index(EP) * n_local
+    here = (local >= 0) & (local < n_local)
+    return jnp.where(here, weights, 0), jnp.where(here, local, n_local)
+
+
+def moe_ffn(cfg: ModelConfig, layer: dict, x: jax.Array, impl: str = "auto", mesh: Mesh | None = None):
+    """(output [t, d], the chosen expert ids [t, k]). mesh: running inside shard_map over
+    it, with this device's share of the experts (see the module docstring)."""
     weights, ids = route(cfg, layer["router"], x)
     gate_up, down = layer["experts_gate_up"], layer["experts_down"]
     # A tiered layer holds a pool of expert slots and an expert → slot table (-1: not on
     # the device, read as slot 0: a step that needed such an expert is thrown away).
     slots = jnp.maximum(layer["expert_slots"][ids], 0) if "expert_slots" in layer else ids
+    sharded = mesh is not None and mesh.shape[EP] > 1
+    if sharded:
+        weights, slots = local_experts(weights, slots, gate_up.shape[0])
     if impl == "auto":
         impl = "grouped" if jax.default_backend() == "cpu" else "ragged"
     if impl == "ragged":
-        return experts_ragged(x, weights, slots, gate_up, down), ids
-    if impl != "grouped":
+        y = experts_ragged(x, weights, slots, gate_up, down, elsewhere=sharded)
+    elif impl == "grouped":
+        block = group_block(ids.size, cfg.n_experts)
+        y = experts_grouped(x, weights, slots, gate_up, down, block, elsewhere=sharded)
+    else:
         raise ValueError(f"unknown MoE implementation {impl!r}; choose from {MOE_IMPLS}")
-    block = group_block(ids.size, cfg.n_experts)
-    return experts_grouped(x, weights, slots, gate_up, down, block), ids
+    if mesh is not None and mesh.size > 1:
+        y = jax.lax.psum(y, (EP, TP))
+    return y, ids
 
 
-def dense_ffn(layer: dict, x: jax.Array) -> jax.Array:
-    return jnp.dot(swiglu(jnp.dot(x, layer["w_gate_up"])), layer["w_down"])
+def dense_ffn(layer: dict, x: jax.Array, mesh: Mesh | None = None) -> jax.Array:
+    """mesh: inside shard_map, gate_up column- and down row-parallel over tp, then a psum."""
+    y = jnp.dot(swiglu(jnp.dot(x, layer["w_gate_up"])), layer["w_down"])
+    return jax.lax.psum(y, TP) if mesh is not None and mesh.shape[TP] > 1 else y

@@ -9,6 +9,9 @@ Layout (x @ W, so every matrix is [in, out]):
              moe:   router [d, E], experts_gate_up [E, d, 2·f], experts_down [E, f, d]
 Q, K and V share one matrix and gate/up another, so a decode step runs fewer, larger
 GEMVs; each layer is its own set of arrays (slicing a stacked array copies on XLA:CPU).
+
+With a mesh, each leaf goes from the host straight into its shards (sharding.place_leaf,
+which also interleaves the fused matrices' columns by tp shard).
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from .config import ModelConfig
 from .errors import ModelFileError
+from .sharding import place_leaf
 
 
 class TensorSource(Protocol):
@@ -43,13 +48,18 @@ def _get(source: TensorSource, name: str, shape: tuple[int, ...]) -> np.ndarray:
     return np.asarray(w, dtype=np.float32)
 
 
-def _put(array: np.ndarray, dtype) -> jax.Array:
-    return jnp.asarray(array, dtype=dtype)
-
-
-def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, experts: bool = True) -> dict:
+def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, experts: bool = True,
+                 mesh: Mesh | None = None) -> dict:
     """experts=False leaves the experts out (a tiered model reads them one by one from
-    the source when the expert pool needs them); the routers are always packed."""
+    the source when the expert pool needs them); the routers are always packed.
+    mesh: place every leaf in its shards on the mesh (sharding.py) instead of one device."""
+    if mesh is None:
+        def put(name: str, array: np.ndarray, dtype) -> jax.Array:
+            return jnp.asarray(array, dtype=dtype)
+    else:
+        def put(name: str, array: np.ndarray, dtype) -> jax.Array:
+            return place_leaf(cfg, mesh, name, array, dtype)
+
     d, hd = cfg.hidden_size, cfg.head_dim
     q_out, kv_out = cfg.n_heads * hd, cfg.n_kv_heads * hd
     f32 = jnp.float32
@@ -58,12 +68,12 @@ def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, expe
     # runs at about half the bandwidth), so a tied model keeps only this copy.
     head = embed if cfg.tie_embeddings else _get(source, "lm_head", (cfg.vocab_size, d))
     weights: dict = {
-        "lm_head": _put(head.T, dtype),
-        "final_norm": _put(_get(source, "final_norm", (d,)), f32),
+        "lm_head": put("lm_head", head.T, dtype),
+        "final_norm": put("final_norm", _get(source, "final_norm", (d,)), f32),
         "layers": [],
     }
     if not cfg.tie_embeddings:
-        weights["embed"] = _put(embed, dtype)
+        weights["embed"] = put("embed", embed, dtype)
     del embed, head
     for i in range(cfg.n_layers):
         p = f"{i}."
@@ -75,38 +85,38 @@ def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, expe
             ]
         )
         layer = {
-            "attn_norm": _put(_get(source, p + "attn_norm", (d,)), f32),
-            "wqkv": _put(qkv.T, dtype),
-            "wo": _put(_get(source, p + "o", (d, q_out)).T, dtype),
-            "ffn_norm": _put(_get(source, p + "ffn_norm", (d,)), f32),
+            "attn_norm": put("attn_norm", _get(source, p + "attn_norm", (d,)), f32),
+            "wqkv": put("wqkv", qkv.T, dtype),
+            "wo": put("wo", _get(source, p + "o", (d, q_out)).T, dtype),
+            "ffn_norm": put("ffn_norm", _get(source, p + "ffn_norm", (d,)), f32),
         }
         del qkv
         if cfg.qk_norm != "none":
             q_norm, k_norm = (hd, hd) if cfg.qk_norm == "head" else (q_out, kv_out)
-            layer["q_norm"] = _put(_get(source, p + "q_norm", (q_norm,)), f32)
-            layer["k_norm"] = _put(_get(source, p + "k_norm", (k_norm,)), f32)
+            layer["q_norm"] = put("q_norm", _get(source, p + "q_norm", (q_norm,)), f32)
+            layer["k_norm"] = put("k_norm", _get(source, p + "k_norm", (k_norm,)), f32)
         if cfg.moe_layers[i]:
             e, f = cfg.n_experts, cfg.moe_intermediate_size
-            layer["router"] = _put(_get(source, p + "router", (e, d)).T, f32)
+            layer["router"] = put("router", _get(source, p + "router", (e, d)).T, f32)
             if not experts:
                 weights["layers"].append(layer)
                 continue
             gate = _get(source, p + "experts.gate", (e, f, d))
             up = _get(source, p + "experts.up", (e, f, d))
-            layer["experts_gate_up"] = _put(
-                np.concatenate([gate, up], axis=1).transpose(0, 2, 1), dtype
+            layer["experts_gate_up"] = put(
+                "experts_gate_up", np.concatenate([gate, up], axis=1).transpose(0, 2, 1), dtype
             )
             del gate, up
-            layer["experts_down"] = _put(
-                _get(source, p + "experts.down", (e, d, f)).transpose(0, 2, 1), dtype
+            layer["experts_down"] = put(
+                "experts_down", _get(source, p + "experts.down", (e, d, f)).transpose(0, 2, 1), dtype
             )
         else:
             ff = cfg.intermediate_size
             gate_up = np.concatenate(
                 [_get(source, p + "gate", (ff, d)), _get(source, p + "up", (ff, d))]
             )
-            layer["w_gate_up"] = _put(gate_up.T, dtype)
-            layer["w_down"] = _put(_get(source, p + "down", (d, ff)).T, dtype)
+            layer["w_gate_up"] = put("w_gate_up", gate_up.T, dtype)
+            layer["w_down"] = put("w_down", _get(source, p + "down", (d, ff)).T, dtype)
         weights["layers"].append(layer)
     return weights
 

@@ -12,6 +12,7 @@ class ModelSettings:
     dtype: str = "float32"
     max_context: int | None = None  # None: the model's own
     compile_cache: Path | None = None  # JAX's persistent compilation cache
+    mesh: str | None = None  # shard over devices, "ep=2,tp=2" (docs/scaling.md); None: one device
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):

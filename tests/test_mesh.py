@@ -1,0 +1,119 @@
+"""Sharding over a device mesh (motet/model/sharding.py).
+
+The layouts run on 4 virtual CPU devices in a subprocess (tests/mesh_check.py: the
+device count is fixed when JAX is imported, and this suite runs on one device); the
+mesh option's parsing and refusals are checked here in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from functools import cache
+
+import pytest
+
+from conftest import GOLDEN, REPO, TINY_GEO
+from motet.actors.expert_policy import ExpertPlan
+from motet.actors.runner import ModelRunner
+from motet.model import load_model
+from motet.model.sharding import MeshSpec, step_traffic
+
+# Sharded logits vs one device, max |difference| over every logit of 4 greedy steps:
+# measured 6e-6 to 1.6e-5 (psums and split matmuls add in another order), with logits up
+# to ~27; the ragged path on the mesh vs transformers: 1.4e-5 to 2.1e-5. 1e-4 is the
+# golden tests' tolerance against transformers.
+ATOL = 1e-4
+TIMEOUT = 600  # seconds per subprocess: compiles dominate; warm (.jax_cache/mesh) it is ~30 s
+
+
+@cache
+def mesh_check(what: str):
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "mesh_check.py"), what], cwd=REPO,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_every_layout_matches_one_device():
+    results = mesh_check("models")
+    layouts = {(r["arch"], r["layout"]) for r in results}
+    for arch in ("qwen3_moe", "olmoe", "mixtral"):
+        assert {(arch, lay) for lay in ("ep=4", "ep=2,tp=2", "tp=4")} <= layouts
+    assert {("llama", "tp=2"), ("llama", "tp=4")} <= layouts
+    for r in results:
+        case = f"{r['arch']} {r['layout']} ({r['weights']} weights)"
+        assert r["tokens"] == r["one_device"], case
+        assert r["max_abs_logit_diff"] < ATOL, case
+        tp = MeshSpec.parse(r["layout"]).tp
+        assert r["kv_heads_per_device"] == [r["kv_heads"] // tp], case  # KV split with its heads
+    ragged = [r["ragged_prefill_vs_golden"] for r in results if r["ragged_prefill_vs_golden"] is not None]
+    assert len(ragged) == 3 and max(ragged) < ATOL  # the GPU expert path, against transformers
+
+
+def test_engine_on_a_mesh_matches_one_device():
+    """Actors, three requests batched in three slots, a second turn reusing its prefix,
+    and a session file saved from the sharded KV and restored into another slot."""
+    r = mesh_check("engine")
+    one, mesh = r["one_device"], r["mesh"]
+    assert mesh == one
+    assert mesh["reused"] == mesh["reusable"] > 0
+    assert mesh["third_reused"] > mesh["reusable"]
+    assert all(len(tokens) == 5 for tokens in mesh["first"])
+
+
+# ---- the option itself, in-process --------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "spec"), [
+    ("ep=4", MeshSpec(ep=4)), ("tp=2", MeshSpec(tp=2)), ("ep=2,tp=2", MeshSpec(2, 2)),
+    (" tp=2 , ep=4 ", MeshSpec(4, 2)),
+])
+def test_parse(text, spec):
+    assert MeshSpec.parse(text) == spec
+    assert MeshSpec.parse(str(spec)) == spec
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("", "name at least one axis"), ("dp=2", "each part is ep=N or tp=N"), ("ep=0", "positive integer"),
+    ("ep=two", "positive integer"), ("ep=2,ep=2", "given twice"), ("ep", "each part is ep=N"),
+])
+def test_parse_refuses_bad_specs(text, words):
+    with pytest.raises(ValueError, match=words):
+        MeshSpec.parse(text)
+
+
+def test_layouts_must_divide_the_model(tiny_model):
+    qwen, llama = tiny_model("qwen3_moe").config, tiny_model("llama").config
+    MeshSpec(ep=8).check(qwen)
+    with pytest.raises(ValueError, match="8 experts do not divide into ep=3"):
+        MeshSpec(ep=3).check(qwen)
+    with pytest.raises(ValueError, match="2 KV heads do not divide into tp=4"):
+        MeshSpec(tp=4).check(qwen)
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        MeshSpec(ep=2).check(llama)
+
+
+def test_too_few_devices():
+    with pytest.raises(ValueError, match="needs 4 devices, but only 1 is visible"):
+        MeshSpec(ep=2, tp=2).build()
+
+
+def test_tiered_experts_refuse_a_mesh(tiny_model):
+    with pytest.raises(ValueError, match="tiered .* experts do not run on a device mesh"):
+        load_model(GOLDEN / "olmoe", lazy_experts=True, mesh="ep=1")
+    model = tiny_model("olmoe")
+    plan = ExpertPlan("tiered", 2, 8, 4, None, 1)
+    with pytest.raises(ValueError, match="tiered experts do not run on a device mesh"):
+        ModelRunner(model, TINY_GEO, plan, mesh="ep=1")
+
+
+def test_step_traffic(tiny_model):
+    cfg = tiny_model("qwen3_moe").config  # 3 layers, 2 of them MoE; d = 64
+    row = 64 * 4  # one token's activation, f32
+    assert step_traffic(cfg, MeshSpec(), rows=1)["total"] == 0
+    ep4 = step_traffic(cfg, MeshSpec(ep=4), rows=1)
+    assert ep4["attention_psum"] == 0 and ep4["ffn_psum"] == 2 * (2 * row * 3 / 4)
+    tp2 = step_traffic(cfg, MeshSpec(tp=2), rows=1)
+    assert tp2["total"] == 6 * row and tp2["psums_per_step"] == 6
