@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     servep.add_argument("--queue-limit", type=int, default=64, help="requests waiting for a slot (past it: 429)")
     servep.add_argument("--web-dir", type=Path, default=None, help="the folder served at / (default: the repo's web/)")
     servep.add_argument("--engine-cmd", default=None, help='a mux engine to drive, e.g. "motet mux"')
+    servep.add_argument("--split", default=None, metavar="JSON",
+                        help='split serving: a prefill and a decode engine, e.g. \'{"prefill_device": 0, '
+                        '"decode_device": 1, "min_prompt_tokens": 2048}\' (\'{}\': defaults; README)')
     servep.add_argument("--slot-save-path", type=Path, default=None,
                         help="the folder of POST /slots/{id}?action=save|restore files (created if missing)")
     servep.add_argument("--expert-cap", dest="expert_cache", type=int, default=None,
@@ -343,6 +346,7 @@ async def _stop_on_signal(intake, scope):
 def cmd_serve(args) -> int:
     from .http.serve import run
     from .http.settings import ServeSettings
+    from .split_settings import SplitSettings
 
     extra = {"web_dir": args.web_dir} if args.web_dir is not None else {}
     settings = ServeSettings(
@@ -351,9 +355,11 @@ def cmd_serve(args) -> int:
         allow_insecure_bind=args.allow_insecure_bind, cors_origins=tuple(args.cors_origin),
         max_body_bytes=args.max_body_bytes, engine_cmd=args.engine_cmd, model_path=args.model,
         slot_save_path=args.slot_save_path, experts=expert_settings(args, os.environ), **extra,
+        split=SplitSettings.from_json(args.split) if args.split is not None else None,
     )  # checked (e.g. no key on a public address) before the model loads
     lazy = settings.experts.mode != "resident"  # tiered or not is decided once the model is known
-    model = open_model(model_settings(args), lazy) if args.engine_cmd is None else None
+    in_process = args.engine_cmd is None and settings.split is None
+    model = open_model(model_settings(args), lazy) if in_process else None
     return run(settings, model)
 
 

@@ -14,6 +14,7 @@ preflights before auth, since browsers send no credentials on a preflight.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import logging
@@ -193,6 +194,9 @@ class Server:
                 return {"status": "error", "reason": f"the engine cannot start: {failed}"}, 503
             reason = "the engine is not serving (closing, or starting again)"
             return {"status": "closing", "reason": reason}, 503
+        split = getattr(self.engine, "split_statistics", None)  # motet serve --split
+        if split is not None:  # a dead prefill engine is no outage: the decode engine reads
+            return {"status": "ok", "split": dataclasses.asdict(split())}
         return {"status": "ok"}
 
     async def openapi(self):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..runtime.api import TurnStats
 
@@ -39,6 +39,11 @@ class EngineCollector:
         for tier, count in zip(TIERS, experts_per_tier(self.engine.expert_state().emap)):
             experts.add_metric([tier], count)
         yield experts
+        split = getattr(self.engine, "split_statistics", None)  # motet serve --split
+        if split is not None:
+            for name, kind, doc, value in split().metrics():
+                family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                yield family(name, doc, value=value)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

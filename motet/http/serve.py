@@ -74,7 +74,16 @@ async def wait_for_signal() -> None:
 @asynccontextmanager
 async def open_engine(settings: ServeSettings, model):
     """The in-process Engine around `model`, or `engine_cmd` driven through a MuxEngine
-    that is started again whenever the child exits."""
+    that is started again whenever the child exits, or with `split` a SplitEngine over two
+    of them (`engine_cmd`, default `motet mux`)."""
+    if settings.split is not None:
+        from ..split import open_split_engines
+
+        async with open_split_engines(settings.split, settings.model_path, kv_slots=settings.kv_slots,
+                                      max_context=settings.max_context, command=settings.engine_cmd,
+                                      queue_limit=settings.queue_limit) as engine:
+            yield engine
+        return
     if settings.engine_cmd is None:
         from ..engine import Engine
 

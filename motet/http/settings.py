@@ -7,6 +7,8 @@ import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..split_settings import SplitSettings
+
 import motet
 
 from ..runtime.config import ExpertSettings
@@ -54,6 +56,7 @@ class ServeSettings:
     # template rendered here; None: the default model
     slot_save_path: Path | None = None  # the folder of POST /slots/{id}?action=save|restore
     # files (created when serving starts); None: those answer 501, erase still works
+    split: SplitSettings | None = None  # --split: a prefill and a decode engine (split.py)
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:

@@ -1,0 +1,684 @@
+"""Split serving (issue 7): one front over two engines. A prefill engine reads long
+prompts; a decode engine makes every answer. A long prompt goes to the prefill engine,
+which saves the slot it filled to a session file; the decode engine restores that file
+into the request's own slot and resumes the prompt at its last token, while its other
+slots keep decoding. Several handovers may be in progress at once, each with a file of
+its own, deleted once restored.
+
+    settings = SplitSettings.from_json('{"prefill_device": 0, "decode_device": 1}')
+    async with open_split_engines(settings, model_path, kv_slots=8, max_context=8192) as engine:
+        async with engine.stream("Once upon a time", max_tokens=32) as events:
+            ...
+
+`SplitEngine` offers what the HTTP app uses of an engine (stream, complete, render_chat,
+name, statistics, expert_state, the async-with life cycle). It picks the decode slot
+itself and keeps what each slot holds, as token ids, so it knows how many new tokens
+the decode engine would read in place. Any failure on the way (the prefill engine dead
+or raising, a file refused, fewer tokens restored than the prompt needs) is no error
+for the client: the decode engine reads the prompt itself, only slower. A prefill
+engine that dies is started again in the background, at most once a minute.
+
+The settings are in split_settings.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import shlex
+import shutil
+import sys
+import time
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import trio
+
+from .actors.policy import SlotView, choose_slot, reusable_prefix
+from .runtime.api import Completion, EngineStatistics, ExpertState, TokenEvent
+from .runtime.errors import BadRequest, Cancelled, DuplicateId, EngineClosed, NotFound, QueueFull, SlotBusy
+from .runtime.service import Service
+from .split_settings import RoleArgs, SplitSettings
+
+log = logging.getLogger(__name__)  # "motet.split"
+
+PREFILL_RESTART_EVERY_S = 60.0  # a prefill engine that died is started again at most this often
+DECODE_RESTART_EVERY_S = 1.0  # the decode engine serves everything: again at once, but no busy loop
+
+# ---- figures ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Handover:
+    """One handover's figures."""
+
+    tokens: int  # tokens the decode engine restored
+    bytes: int  # the session file's size
+    prefill_ms: float
+    save_ms: float
+    restore_ms: float
+
+
+@dataclass(frozen=True)
+class SplitStatistics:
+    """A snapshot. requests = handovers + fallbacks + short; the *_ms are sums over the
+    handovers (a fallback's partial work is not counted)."""
+
+    requests: int  # requests that reached a decode slot
+    handovers: int  # read by the prefill engine, restored into the decode slot
+    fallbacks: int  # a handover was due but failed: the decode engine read the prompt itself
+    short: int  # the decode engine read the new tokens in place (fewer than min_prompt_tokens)
+    bytes: int  # session file bytes handed over
+    prefill_ms: float
+    save_ms: float
+    restore_ms: float
+    prefill_alive: bool
+    decode_alive: bool
+    prefill_restarts: int  # prefill engines started after the first
+    min_prompt_tokens: int
+    last: Handover | None  # the latest handover's figures
+
+    def metrics(self) -> tuple[tuple[str, str, str, float], ...]:
+        """(name, "counter" or "gauge", help, value) for Prometheus; counters without
+        their `_total`, which the client library adds."""
+        counter, gauge = "counter", "gauge"
+        return (
+            ("motet_split_requests", counter, "Requests served by the split.", self.requests),
+            ("motet_split_handovers", counter, "Prompts read by the prefill engine and handed over.",
+             self.handovers),
+            ("motet_split_fallbacks", counter, "Handovers that failed: the decode engine read the prompt.",
+             self.fallbacks),
+            ("motet_split_short", counter, "Prompts short enough for the decode engine to read in place.",
+             self.short),
+            ("motet_split_handover_bytes", counter, "Session file bytes handed over.", self.bytes),
+            ("motet_split_prefill_seconds", counter, "Time the prefill engine spent on handed-over prompts.",
+             self.prefill_ms / 1000),
+            ("motet_split_save_seconds", counter, "Time spent saving session files.", self.save_ms / 1000),
+            ("motet_split_restore_seconds", counter, "Time spent restoring session files.",
+             self.restore_ms / 1000),
+            ("motet_split_prefill_restarts", counter, "Prefill engines started again.", self.prefill_restarts),
+            ("motet_split_prefill_alive", gauge, "1 while the prefill engine serves.", float(self.prefill_alive)),
+            ("motet_split_decode_alive", gauge, "1 while the decode engine serves.", float(self.decode_alive)),
+            ("motet_split_min_prompt_tokens", gauge, "New tokens from which a prompt is handed over.",
+             self.min_prompt_tokens),
+        )
+
+
+# ---- slots -----------------------------------------------------------------------------
+
+
+class _Waiter:
+    def __init__(self, ids: Sequence[int]):
+        self.ids = ids
+        self.slot: int | None = None
+        self.granted = trio.Event()
+
+
+class SlotTable:
+    """The slots of one engine: which the split's requests hold, and what each holds (token
+    ids, as far as the split knows: the engine checks the real history before reusing
+    any). A slot is chosen as the engine's scheduler chooses (choose_slot); with every
+    slot taken, a request waits here, first come first served, up to `queue_limit`."""
+
+    def __init__(self, n: int, queue_limit: float = math.inf):
+        self.histories: list[tuple[int, ...]] = [()] * n
+        self.used = [0] * n
+        self.busy: set[int] = set()
+        self.queue_limit = queue_limit
+        self._queue: deque[_Waiter] = deque()
+        self._clock = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self.histories)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def _pick(self, ids: Sequence[int]) -> int | None:
+        views = [SlotView(i, i in self.busy, h, u) for i, (h, u) in enumerate(zip(self.histories, self.used))]
+        return choose_slot(views, ids)
+
+    async def take(self, ids: Sequence[int], slot: int | None = None) -> int:
+        """A slot for a prompt (`slot`: that one, SlotBusy when taken), held until give_back."""
+        if slot is not None:
+            if not 0 <= slot < len(self):
+                raise BadRequest(f"slot must be in [0, {len(self) - 1}], got {slot}")
+            if slot in self.busy:
+                raise SlotBusy(slot)
+            self.busy.add(slot)
+            return slot
+        if not self._queue and (slot := self._pick(ids)) is not None:
+            self.busy.add(slot)
+            return slot
+        if len(self._queue) >= self.queue_limit:
+            raise QueueFull(int(self.queue_limit))
+        waiter = _Waiter(ids)
+        self._queue.append(waiter)
+        try:
+            await waiter.granted.wait()
+        except BaseException:
+            if waiter.slot is None:
+                self._queue.remove(waiter)
+            else:  # granted as it was cancelled: pass it on
+                self.give_back(waiter.slot)
+            raise
+        return waiter.slot
+
+    def give_back(self, slot: int, history: Sequence[int] | None = None) -> None:
+        """Free a slot; `history`: what it holds now (None: as it was)."""
+        self.busy.discard(slot)
+        if history is not None:
+            self.histories[slot] = tuple(history)
+        self.used[slot] = next(self._clock)
+        while self._queue and (free := self._pick(self._queue[0].ids)) is not None:
+            waiter = self._queue.popleft()
+            self.busy.add(free)
+            waiter.slot = free
+            waiter.granted.set()
+
+    def reusable(self, slot: int, ids: Sequence[int]) -> int:
+        return reusable_prefix(self.histories[slot], ids)
+
+
+# ---- the engine --------------------------------------------------------------------------
+
+
+class SplitUnavailable(EngineClosed):
+    """The decode engine is starting again: the split serves nothing meanwhile."""
+
+    code = "ENGINE_UNAVAILABLE"
+
+    def __init__(self, start_error: str | None):
+        reason = f": it did not start again ({start_error})" if start_error else ""
+        Exception.__init__(self, "the split's decode engine is starting again" + reason)
+
+
+class HandoverFailed(Exception):
+    """Why a handover did not happen; the decode engine reads the prompt itself."""
+
+
+OpenEngine = Callable[[], AbstractAsyncContextManager]
+
+
+@dataclass
+class _Role:
+    """One of the two engines: how to open it, the one running now, its slots."""
+
+    name: str
+    open: OpenEngine
+    restart_every_s: float
+    engine: object | None = None
+    slots: SlotTable | None = None
+    starts: int = 0  # successful starts
+    start_error: str | None = None
+    tried: trio.Event = field(default_factory=trio.Event)  # the first start is over
+    done: trio.Event = field(default_factory=trio.Event)  # its keeper has returned
+    changed: trio.Event = field(default_factory=trio.Event)  # set (and replaced) as an engine comes or goes
+
+    def changed_now(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def alive(self):
+        """The engine now, when it serves; else None."""
+        engine = self.engine
+        return engine if engine is not None and not engine.statistics().closing else None
+
+
+@dataclass
+class _Request:
+    """A request of the split's, until it ends. Before it reaches the decode engine
+    (waiting for a slot, or in its handover) cancel() ends it here."""
+
+    request_id: int
+    decode_id: int | None = None  # its id in the decode engine, once there
+    cancelled: bool = False
+    scope: trio.CancelScope | None = None  # the step it is in before the decode engine
+    on_decode: trio.Event = field(default_factory=trio.Event)  # in the decode engine, or ended
+    ended: trio.Event = field(default_factory=trio.Event)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.scope is not None:
+            self.scope.cancel()
+
+    @contextmanager
+    def cancellable(self):
+        """A step cancel() may end: then Cancelled comes out of it."""
+        self.scope = trio.CancelScope()
+        if self.cancelled:
+            self.scope.cancel()
+        try:
+            with self.scope:
+                yield
+        finally:
+            self.scope = None
+        if self.cancelled:
+            raise Cancelled(self.request_id)
+
+
+@dataclass
+class _Counts:
+    requests: int = 0
+    handovers: int = 0
+    fallbacks: int = 0
+    short: int = 0
+    bytes: int = 0
+    prefill_ms: float = 0.0
+    save_ms: float = 0.0
+    restore_ms: float = 0.0
+    last: Handover | None = None
+
+
+class SplitEngine(Service):
+    """The engine API over a prefill engine and a decode engine. `open_prefill()` and
+    `open_decode()` each return a new engine (an async context manager: a MuxEngine, or
+    an in-process Engine) with `prefill`, `save_slot`, `restore_slot` and `stream`; an
+    engine with a `process` is watched, and opened again when it exits. `encode(prompt)`
+    gives the token ids the engines will read (default: the decode engine's `encode`).
+    `before_restore(path)`, awaited between a save and its restore, is for tests."""
+
+    def __init__(self, open_prefill: OpenEngine, open_decode: OpenEngine, settings: SplitSettings = SplitSettings(),
+                 *, encode: Callable | None = None, queue_limit: int = 64,
+                 prefill_restart_every_s: float = PREFILL_RESTART_EVERY_S,
+                 before_restore: Callable[[Path], Awaitable[None]] | None = None):
+        self.settings = settings
+        self.min_prompt_tokens = settings.min_prompt_tokens
+        self.queue_limit = queue_limit
+        self._prefill = _Role("prefill", open_prefill, prefill_restart_every_s)
+        self._decode = _Role("decode", open_decode, DECODE_RESTART_EVERY_S)
+        self._encode = encode
+        self._before_restore = before_restore
+        self._counts = _Counts()
+        self._requests: dict[int, _Request] = {}
+        self._ids = itertools.count(1)
+        self._files = itertools.count(1)
+        self._closing = False
+        self._stopping = trio.Event()
+        self.dir: Path | None = None
+        self.name = ""  # the model's, once the decode engine has started
+        self.kv_slots = 0
+
+    # ---- life cycle -------------------------------------------------------------------
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Start both engines at once; ready when the decode engine is (a prefill engine
+        that cannot start is logged and tried again later: the decode engine serves)."""
+        self.dir = self.settings.make_dir()
+        try:
+            nursery.start_soon(self._keep, self._prefill)
+            await nursery.start(self._keep, self._decode)
+            await self._prefill.tried.wait()
+        except BaseException:
+            shutil.rmtree(self.dir, ignore_errors=True)  # no _closed_now after a failed start
+            raise
+        self._nursery = nursery
+
+    async def _close(self) -> None:
+        await self.drain()
+        self._stopping.set()  # each keeper leaves its engine's block: it drains and ends
+        for role in (self._prefill, self._decode):
+            await role.done.wait()
+
+    def _closed_now(self) -> None:
+        self._closing = True
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    async def drain(self) -> None:
+        """Refuse new requests and wait until every request in flight has ended."""
+        self._closing = True
+        for request in list(self._requests.values()):
+            await request.ended.wait()
+
+    async def _keep(self, role: _Role, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Keep one engine running until close, starting it again after an exit, at most
+        once per `role.restart_every_s`. The decode engine's first start must succeed."""
+        last_start = -math.inf
+        try:
+            while not self._stopping.is_set():
+                with trio.move_on_at(last_start + role.restart_every_s):
+                    await self._stopping.wait()
+                if self._stopping.is_set():
+                    break
+                last_start = trio.current_time()
+                try:
+                    async with role.open() as engine:
+                        role.engine, role.start_error = engine, None
+                        waiting = self.queue_limit if role is self._decode else math.inf
+                        role.slots = SlotTable(engine.kv_slots, waiting)
+                        role.starts += 1
+                        role.changed_now()
+                        if role is self._decode:
+                            self.name, self.kv_slots = engine.name, engine.kv_slots
+                        if not role.tried.is_set():
+                            role.tried.set()
+                            task_status.started()
+                        elif role is self._prefill:
+                            log.info("the prefill engine serves again")
+                        await self._until_exit_or_stop(engine)
+                except Exception as exc:  # a start that failed, or a close (trio.Cancelled is no Exception)
+                    if role is self._decode and not role.tried.is_set():
+                        raise
+                    role.start_error = str(exc)
+                    log.error("the %s engine failed: %s", role.name, exc)
+                finally:
+                    role.engine = None
+                    role.changed_now()
+                if not role.tried.is_set():
+                    role.tried.set()
+                    task_status.started()
+                if not self._stopping.is_set():
+                    log.warning("the %s engine has stopped; it starts again within %.0f s",
+                                role.name, max(0.0, last_start + role.restart_every_s - trio.current_time()))
+        finally:
+            role.done.set()
+
+    async def _until_exit_or_stop(self, engine) -> None:
+        process = getattr(engine, "process", None)  # a MuxEngine's child; an Engine has none
+        async with trio.open_nursery() as nursery:
+            async def exited():
+                await process.wait()
+                nursery.cancel_scope.cancel()
+
+            if process is not None:
+                nursery.start_soon(exited)
+            await self._stopping.wait()
+            nursery.cancel_scope.cancel()
+
+    # ---- the engine API ---------------------------------------------------------------
+
+    def _decode_engine(self):
+        if self._closing:
+            raise EngineClosed()
+        engine = self._decode.alive()
+        if engine is None:
+            raise SplitUnavailable(self._decode.start_error)
+        return engine
+
+    @property
+    def prefill(self):
+        """The prefill engine now; None while it is down."""
+        return self._prefill.engine
+
+    @property
+    def decode(self):
+        """The decode engine now; None while it starts again."""
+        return self._decode.engine
+
+    async def wait_prefill(self, serving: bool = True) -> None:
+        """Returns once a prefill engine serves (or, `serving=False`, once none does)."""
+        while (self._prefill.alive() is not None) != serving:
+            await self._prefill.changed.wait()
+
+    @property
+    def start_error(self) -> str | None:
+        """Why the decode engine did not start again (for /health); None when it serves."""
+        return self._decode.start_error if self._decode.engine is None else None
+
+    def encode(self, prompt) -> tuple[int, ...]:
+        if not isinstance(prompt, str):
+            return tuple(int(t) for t in prompt)
+        encode = self._encode or self._decode_engine().encode
+        return tuple(encode(prompt))
+
+    def render_chat(self, messages: list[dict]) -> str:
+        return self._decode_engine().render_chat(messages)
+
+    def statistics(self) -> EngineStatistics:
+        """The decode side as the split's requests use it (a snapshot)."""
+        slots = self._decode.slots
+        if self._decode.alive() is None or slots is None or self._closing:
+            return EngineStatistics(0, 0, self.kv_slots, True)
+        return EngineStatistics(len(slots.busy), slots.waiting, len(slots), False)
+
+    def expert_state(self) -> ExpertState:
+        engine = self._decode.alive()
+        return engine.expert_state() if engine is not None else ExpertState(0, 0, b"", b"", 0, ())
+
+    def split_statistics(self) -> SplitStatistics:
+        c = self._counts
+        return SplitStatistics(
+            c.requests, c.handovers, c.fallbacks, c.short, c.bytes, c.prefill_ms, c.save_ms, c.restore_ms,
+            prefill_alive=self._prefill.alive() is not None, decode_alive=self._decode.alive() is not None,
+            prefill_restarts=max(0, self._prefill.starts - 1), min_prompt_tokens=self.min_prompt_tokens,
+            last=c.last,
+        )
+
+    # ---- slot files (POST /slots): the decode engine's slots, taken here first ---------
+
+    async def save_slot(self, slot: int, path):
+        return await self._on_slot(slot, lambda engine: engine.save_slot(slot, path), keep=True)
+
+    async def restore_slot(self, slot: int, path):
+        # What the file holds is not known here: counted as nothing, so a long prompt may be
+        # handed over although the slot could have reused it (slower, never wrong).
+        return await self._on_slot(slot, lambda engine: engine.restore_slot(slot, path), keep=False)
+
+    async def erase_slot(self, slot: int) -> int:
+        return await self._on_slot(slot, lambda engine: engine.erase_slot(slot), keep=False)
+
+    async def _on_slot(self, slot: int, call, *, keep: bool):
+        engine = self._decode_engine()
+        slots = self._decode.slots
+        await slots.take((), slot)
+        try:
+            result = await call(engine)
+        except BaseException:
+            slots.give_back(slot)
+            raise
+        slots.give_back(slot, None if keep else ())
+        return result
+
+    @asynccontextmanager
+    async def stream(self, prompt, *, slot: int | None = None, request_id: int | None = None, **kwargs):
+        """As Engine.stream (the same keywords): the answer comes from the decode engine,
+        after a handover when the prompt is long enough."""
+        decode = self._decode_engine()
+        ids = self.encode(prompt)
+        if request_id is None:
+            request_id = next(i for i in self._ids if i not in self._requests)
+        elif request_id in self._requests:
+            raise DuplicateId(request_id)
+        slots = self._decode.slots
+        request = self._requests[request_id] = _Request(request_id)
+        target = history = None  # the decode slot, and what it holds afterwards (None: as before)
+        try:
+            with request.cancellable():
+                target = await slots.take(ids, slot)
+            self._counts.requests += 1
+            history = ()  # a handover cut short may leave the slot empty
+            with request.cancellable():
+                history = await self._prepare(request_id, decode, prompt, ids, target)
+            async with AsyncExitStack() as stack:
+                # The engines choose their own request ids: the split's would meet theirs
+                with request.cancellable():
+                    events = await stack.enter_async_context(decode.stream(prompt, slot=target, **kwargs))
+                history = ()  # the request is in: the slot no longer holds what it held
+                request.decode_id = events.request_id
+                request.on_decode.set()
+                split_events = SplitStream(events, request_id)
+                try:
+                    yield split_events
+                finally:
+                    history = self._held_after(prompt, ids, split_events.tokens)
+        finally:
+            if target is not None:
+                slots.give_back(target, history)
+            request.on_decode.set()
+            request.ended.set()
+            del self._requests[request_id]
+
+    async def _prepare(self, request_id: int, decode, prompt, ids, target: int):
+        """Hand the prompt over when the decode engine would read at least
+        min_prompt_tokens itself; what the target slot holds now (None: as before)."""
+        new = len(ids) - self._decode.slots.reusable(target, ids)
+        if new < self.min_prompt_tokens or len(ids) < 2:
+            self._counts.short += 1
+            return None
+        try:
+            figures = await self._hand_over(decode, prompt, ids, target)
+        except HandoverFailed as exc:
+            self._counts.fallbacks += 1
+            log.warning("request %d: no handover (%s); the decode engine reads its %d new tokens itself",
+                        request_id, exc, new)
+            return ()
+        c = self._counts
+        c.handovers += 1
+        c.bytes += figures.bytes
+        c.prefill_ms += figures.prefill_ms
+        c.save_ms += figures.save_ms
+        c.restore_ms += figures.restore_ms
+        c.last = figures
+        return ids[:figures.tokens]
+
+    async def _hand_over(self, decode, prompt, ids, target: int) -> Handover:
+        """Prefill engine reads the prompt into a slot of its own and saves it; the decode
+        engine restores the file into `target`. HandoverFailed with the reason."""
+        prefill = self._prefill.alive()
+        if prefill is None:
+            raise HandoverFailed("the prefill engine is not running")
+        slots = self._prefill.slots
+        path = self.dir / f"handover-{os.getpid()}-{next(self._files)}-{uuid.uuid4().hex[:8]}.session"
+        own, held = None, ()
+        try:
+            own = await slots.take(ids)
+            started = time.perf_counter()
+            await prefill.prefill(prompt, slot=own)
+            prefill_ms = (time.perf_counter() - started) * 1000
+            saved = await prefill.save_slot(own, path)
+            held = ids[:saved.tokens]
+            if self._before_restore is not None:
+                await self._before_restore(path)
+            restored = await decode.restore_slot(target, path)
+        except Exception as exc:  # noqa: BLE001 - any failure here only costs the client time
+            raise HandoverFailed(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            if own is not None:
+                slots.give_back(own, held)
+            path.unlink(missing_ok=True)
+        if restored.tokens != len(ids) - 1:
+            raise HandoverFailed(f"the decode engine restored {restored.tokens} tokens, not the {len(ids) - 1} "
+                                 "the prompt needs")
+        return Handover(restored.tokens, saved.bytes, prefill_ms, saved.ms, restored.ms)
+
+    def _held_after(self, prompt, ids, tokens: list[TokenEvent]) -> tuple[int, ...]:
+        """What the decode slot holds after a turn (near enough: the engine checks)."""
+        if all(t.token_id is not None for t in tokens):
+            return tuple(ids) + tuple(t.token_id for t in tokens)
+        if isinstance(prompt, str):  # a mux engine gives text only
+            return self.encode(prompt + "".join(t.text for t in tokens))
+        return tuple(ids)
+
+    async def complete(self, prompt, **kwargs) -> Completion:
+        """The same as stream(), collected. A request cancelled meanwhile raises Cancelled."""
+        async with self.stream(prompt, **kwargs) as events:
+            tokens = [e async for e in events if isinstance(e, TokenEvent)]
+        if events.finish.stats.finish_reason == "cancelled":
+            raise Cancelled(events.request_id)
+        text = "".join(t.text for t in tokens) + events.finish.text_tail
+        ids = tuple(t.token_id for t in tokens) if all(t.token_id is not None for t in tokens) else ()
+        return Completion(text, ids, events.finish.stats, tuple(tokens))
+
+    async def chat(self, messages: list[dict], **kwargs) -> Completion:
+        return await self.complete(self.render_chat(messages), **kwargs)
+
+    def stream_chat(self, messages: list[dict], **kwargs):
+        return self.stream(self.render_chat(messages), **kwargs)
+
+    async def cancel(self, request_id: int) -> None:
+        """Cancel a request; during its handover the stream raises Cancelled at entry."""
+        request = self._requests.get(request_id)
+        if request is None:
+            raise NotFound(request_id)
+        if request.decode_id is None:
+            request.cancel()
+            await request.ended.wait()
+        else:
+            await self._decode_engine().cancel(request.decode_id)
+
+    async def stop(self, request_id: int) -> None:
+        """End a request through its normal finish (after its handover, if one runs)."""
+        request = self._requests.get(request_id)
+        if request is None:
+            raise NotFound(request_id)
+        await request.on_decode.wait()
+        if request.decode_id is not None:  # else it ended before the decode engine had it
+            await self._decode_engine().stop(request.decode_id)
+
+
+class SplitStream:
+    """The decode engine's events, passed on; the token events are kept, for what the
+    slot holds afterwards."""
+
+    def __init__(self, events, request_id: int):
+        self._events = events
+        self.request_id = request_id  # the split's id (the decode engine's is its own)
+        self.tokens: list[TokenEvent] = []
+
+    @property
+    def finish(self):
+        return self._events.finish
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        event = await self._events.__anext__()
+        if isinstance(event, TokenEvent):
+            self.tokens.append(event)
+        return event
+
+
+# ---- two `motet mux` children ------------------------------------------------------------
+
+
+def mux_command() -> tuple[str, ...]:
+    return (sys.executable, "-m", "motet", "mux")
+
+
+def open_split_engines(settings: SplitSettings, model_path: str | Path | None, *, kv_slots: int,
+                       max_context: int, command: Sequence[str] | str | None = None,
+                       env: Mapping[str, str] | None = None, queue_limit: int = 64, **split_kwargs) -> SplitEngine:
+    """A SplitEngine over two `motet mux` children (or `command`) on `model_path` (None:
+    the default model), started by `async with`. Each child gets CTX=max_context KVSAVE=0,
+    then `env`, then its role's KEY=VALUE entries and flags; with devices given,
+    CUDA_VISIBLE_DEVICES=<its device>. `split_kwargs` go to SplitEngine."""
+    from .mux_engine import MuxEngine
+
+    base = tuple(shlex.split(command) if isinstance(command, str) else command or mux_command())
+    # The split hands sessions over itself: no child keeps its slots between runs unless
+    # the decode role's args ask (KVSAVE=1, KVSAVE_DIR=...)
+    common = {"CTX": str(max_context), "KVSAVE": "0", **(env or {})}
+    if model_path is not None:
+        common["SNAP"] = str(model_path)
+
+    def opener(device: int | None, args: RoleArgs) -> OpenEngine:
+        role_env = {**common, **args.env}
+        if device is not None:
+            role_env["CUDA_VISIBLE_DEVICES"] = str(device)
+        return partial(MuxEngine, base + args.flags, env=role_env, kv_slots=kv_slots,
+                       chat_model=model_path, queue_limit=queue_limit)
+
+    tokenizer = None
+
+    def encode(prompt: str) -> list[int]:
+        nonlocal tokenizer
+        if tokenizer is None:  # the tokenizer file only, read once, as Engine.encode reads
+            from .model.loader import load_chat
+
+            tokenizer = load_chat(model_path)[0]
+        add_bos = tokenizer.add_bos and not (tokenizer.bos_token and prompt.startswith(tokenizer.bos_token))
+        return tokenizer.encode(prompt, add_special=add_bos)
+
+    return SplitEngine(opener(settings.prefill_device, settings.prefill_args),
+                       opener(settings.decode_device, settings.decode_args), settings,
+                       encode=encode, queue_limit=queue_limit, **split_kwargs)
