@@ -285,7 +285,16 @@ class MuxEngine(Service):
             self._send(mux.encode_submit(submit), quiet)
         stream.slot, stream.sent_at = slot, time.perf_counter()
 
+    async def _wait_cancelled(self, slot: int) -> None:
+        """A request its caller left keeps its slot until the child's CANCELLED (the slot
+        is persisted first): a new request for that slot waits for it, as the in-process
+        scheduler takes the cancel before the next submit."""
+        for stream in list(self._streams.values()):
+            if stream.slot == slot and stream.cancelled:
+                await stream.ended.wait()
+
     def _cancel(self, stream: MuxStream) -> None:
+        stream.cancelled = True
         if stream.slot is not None:
             self._send(mux.encode_cancel(stream.request_id), quiet=True)
         else:  # the child never got it: it ends here
@@ -318,6 +327,7 @@ class MuxEngine(Service):
             raise BadRequest("the prompt holds a NUL character, which the mux protocol does not carry")
         if slot is not None:
             self._check_slot(slot)
+            await self._wait_cancelled(slot)
         self._check_open()
         rid = self._request_id(request_id)
         slot = slot if slot is not None else self._pick_slot(prompt)

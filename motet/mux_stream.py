@@ -74,6 +74,7 @@ class MuxStream:
         self.entropy_gpus: tuple = ((), ())  # the ENTROPY and GPUS lines of its turn
         self.repin: list[tuple[int, ...]] = []
         self.ended = trio.Event()  # its last frame has come
+        self.cancelled = False  # its caller left it: CANCEL sent, the slot busy until CANCELLED
         self._engine = engine
         self._ready: deque[TokenEvent | FinishEvent] = deque()
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")

@@ -15,7 +15,7 @@ import numpy as np
 import trio
 
 from . import __version__
-from .actors.slot_io import FreeSlot, HoldSlot, ReadLayer, WriteLayer
+from .actors.slot_io import FreeSlot, HoldSlot, ReadLayers, WriteLayers
 from .model.kv import KV_LAYOUT
 from .model.model import Model
 from .protocol.session_file import Session, SessionError, SessionHeader, read_session, write_session
@@ -72,26 +72,31 @@ class SlotHold:
         self.new_history: tuple[int, ...] | None = None  # set: the slot holds these once freed
 
     async def read(self, layer: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        return _answer(await self.ask(lambda reply: ReadLayer(self.slot, layer, tokens, reply)))
+        return (await self.read_many(range(layer, layer + 1), tokens))[0]
+
+    async def read_many(self, layers: range, tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Several layers in one device call (between two decode steps)."""
+        return _answer(await self.ask(lambda reply: ReadLayers(self.slot, layers, tokens, reply)))
 
     async def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        await self.write_many(layer, ((k, v),))
+
+    async def write_many(self, first: int, pairs) -> None:
+        """Layers first, first + 1, ... in one device call."""
         # Until the install completes the slot counts as empty, so a failure part way
         # leaves nothing a request would reuse.
         self.new_history = ()
-        _answer(await self.ask(lambda reply: WriteLayer(self.slot, layer, k, v, reply)))
+        _answer(await self.ask(lambda reply: WriteLayers(self.slot, first, tuple(pairs), reply)))
 
 
 async def save_slot(ask: Ask, header: SessionHeader, slot: int, path: Path) -> SlotFile:
     started = time.perf_counter()
     async with held_slot(ask, slot) as hold:
         tokens = hold.history
-
-        def layers():
-            for i in range(header.layers):
-                k, v = trio.from_thread.run(hold.read, i, len(tokens))
-                yield k.tobytes(), v.tobytes()
-
-        size = await trio.to_thread.run_sync(write_session, path, header, tokens, layers())
+        pairs = await hold.read_many(range(header.layers), len(tokens))
+    # the slot serves requests again while the file is written
+    layers = ((k.tobytes(), v.tobytes()) for k, v in pairs)
+    size = await trio.to_thread.run_sync(write_session, path, header, tokens, layers)
     return SlotFile(slot, len(tokens), size, (time.perf_counter() - started) * 1000)
 
 
@@ -112,14 +117,11 @@ async def restore_slot(ask: Ask, header: SessionHeader, slot: int, path: Path) -
     started = time.perf_counter()
     session: Session = await trio.to_thread.run_sync(read_session, path, header)
     arrays = [layer_arrays(header, len(session.tokens), k, v) for k, v in session.layers]
-    await install(ask, slot, session.tokens, _each(arrays))
+    async with held_slot(ask, slot) as hold:
+        await hold.write_many(0, arrays)
+        hold.new_history = tuple(session.tokens)
     size = path.stat().st_size
     return SlotFile(slot, len(session.tokens), size, (time.perf_counter() - started) * 1000)
-
-
-async def _each(items):
-    for item in items:
-        yield item
 
 
 async def install(ask: Ask, slot: int, tokens, layers: AsyncIterable[tuple[np.ndarray, np.ndarray]]) -> None:

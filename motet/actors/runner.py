@@ -171,11 +171,14 @@ class ModelRunner:
 
     # ---- one slot's KV, layer by layer (sessions and handovers) ---------------------------
 
-    def read_layer(self, slot: int, layer: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        return read_slot_layer(self.kv, layer, slot, tokens)
+    def read_layers(self, slot: int, first: int, count: int, tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Layers first .. first + count - 1 of `slot`: (K, V) host arrays per layer."""
+        return [read_slot_layer(self.kv, layer, slot, tokens) for layer in range(first, first + count)]
 
-    def write_layer(self, slot: int, layer: int, k_rows: np.ndarray, v_rows: np.ndarray) -> None:
-        self.kv = write_slot_layer(self.kv, self.geo, layer, slot, k_rows, v_rows)
+    def write_layers(self, slot: int, first: int, pairs: list) -> None:
+        """(K, V) host arrays into layers first, first + 1, ... of `slot`."""
+        for layer, (k_rows, v_rows) in enumerate(pairs, first):
+            self.kv = write_slot_layer(self.kv, self.geo, layer, slot, k_rows, v_rows)
 
     # ---- experts --------------------------------------------------------------------
 

@@ -44,7 +44,7 @@ from .expert_cache import ExpertCache, TurnEnded
 from .kv_slot import Claim, Extend, KVSlot, Probe, Release, SetHistory
 from .policy import StopMatcher, choose_slot
 from .runner import ExpertStep, ModelRunner, Sampled, SamplingRow
-from .slot_io import FreeSlot, HoldSlot, ReadLayer, WriteLayer
+from .slot_io import FreeSlot, HoldSlot, ReadLayers, WriteLayers
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ class Scheduler:
                     reply.send_nowait(False)
                 case Drain(reply):
                     reply.send_nowait(None)
-                case HoldSlot(reply=reply) | ReadLayer(reply=reply) | WriteLayer(reply=reply):
+                case HoldSlot(reply=reply) | ReadLayers(reply=reply) | WriteLayers(reply=reply):
                     reply.close()
                 case FreeSlot(reply=reply) if reply is not None:
                     reply.close()
@@ -264,7 +264,7 @@ class Scheduler:
                     await self._finish(self.active[rid], "stop")
                 if reply is not None:
                     reply.send_nowait(found)
-            case HoldSlot() | ReadLayer() | WriteLayer() | FreeSlot():
+            case HoldSlot() | ReadLayers() | WriteLayers() | FreeSlot():
                 await self._slot_io(msg)
             case _:
                 raise TypeError(f"the scheduler got an unknown message {msg!r}")
@@ -353,11 +353,11 @@ class Scheduler:
                     probe, answer = open_reply()
                     await self.slots[slot].inbox.send.send(Probe(probe))
                     reply.send_nowait((await answer.receive()).history)
-            case ReadLayer(slot, layer, tokens, reply) if slot in self.held:
-                reply.send_nowait(await self._device_io(self.runner.read_layer, slot, layer, tokens))
-            case WriteLayer(slot, layer, k, v, reply) if slot in self.held:
-                reply.send_nowait(await self._device_io(self.runner.write_layer, slot, layer, k, v))
-            case ReadLayer(slot, reply=reply) | WriteLayer(slot, reply=reply):
+            case ReadLayers(slot, layers, tokens, reply) if slot in self.held:
+                reply.send_nowait(await self._device_io(self.runner.read_layers, slot, layers.start, len(layers), tokens))
+            case WriteLayers(slot, first, pairs, reply) if slot in self.held:
+                reply.send_nowait(await self._device_io(self.runner.write_layers, slot, first, list(pairs)))
+            case ReadLayers(slot, reply=reply) | WriteLayers(slot, reply=reply):
                 reply.send_nowait(BadRequest(f"slot {slot} is not held for a KV transfer"))
             case FreeSlot(slot, history, reply):
                 if slot in self.held:

@@ -1,6 +1,8 @@
 """Messages that move one slot's KV in and out of the engine, layer by layer (session
-files, prefill handovers). A slot is held first, so no request claims it meanwhile;
-each layer is one short device call, so other slots keep decoding between them."""
+files, prefill handovers). A slot is held first, so no request claims it meanwhile.
+One message is one device call between two decode steps: a whole file's layers go in
+one (a step's worth of waiting for the other slots, not one step per layer), a
+handover's layers one by one as they arrive."""
 
 from __future__ import annotations
 
@@ -17,19 +19,18 @@ class HoldSlot:
 
 
 @dataclass(frozen=True)
-class ReadLayer:
+class ReadLayers:
     slot: int
-    layer: int
+    layers: range
     tokens: int
-    reply: trio.MemorySendChannel  # gets (K, V) [tokens, kv_heads, head_dim], or an exception
+    reply: trio.MemorySendChannel  # gets [(K, V) [tokens, kv_heads, head_dim]] per layer, or an exception
 
 
 @dataclass(frozen=True)
-class WriteLayer:
+class WriteLayers:
     slot: int
-    layer: int
-    k: np.ndarray
-    v: np.ndarray
+    first: int  # the layer of the first pair
+    pairs: tuple[tuple[np.ndarray, np.ndarray], ...]  # (K, V) per layer
     reply: trio.MemorySendChannel  # gets None, or an exception
 
 
