@@ -9,10 +9,11 @@ import argparse
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .runtime.config import EXPERT_MODES, ExpertSettings, ModelSettings, SamplingSettings
+from .runtime.distributed import DistributedSettings, join_group
 
 log = logging.getLogger("motet")
 
@@ -28,6 +29,16 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", default=os.environ.get("MOTET_MESH") or None, metavar="ep=N,tp=M",
                    help="shard the model over this process's devices: experts along ep, heads and FFN "
                    "widths along tp (MOTET_MESH; docs/scaling.md)")
+
+
+def _add_group_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="several processes as one engine: process 0's address for jax.distributed "
+                   "(MOTET_COORDINATOR; docs/scaling.md)")
+    p.add_argument("--num-processes", type=int, default=None, metavar="N",
+                   help="processes in the group (MOTET_NUM_PROCESSES); --mesh then spans all their devices")
+    p.add_argument("--process-id", type=int, default=None, metavar="I",
+                   help="this process, 0 to N-1 (MOTET_PROCESS_ID): 0 serves, the others follow it")
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -100,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "KVSAVE=0 turns persistence off)")
     muxp.add_argument("--temperature", type=float, default=0.0, help="legacy protocol chat lines: 0 = greedy")
     muxp.add_argument("--top-p", type=float, default=1.0, help="legacy protocol chat lines")
+    _add_group_flags(muxp)
     servep = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (and the web page)")
     servep.add_argument("--host", default="127.0.0.1")
     servep.add_argument("--port", type=int, default=8000, help="0 picks a free port")
@@ -121,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="experts per MoE layer on the device (EXPERT_CAP; 0 or absent: no limit)")
     _add_expert_flags(servep)
     _add_model_flags(servep)
+    _add_group_flags(servep)
     workerp = sub.add_parser("worker", help="a prefill, decode or mono worker on the TCP wire (docs/wire.md)")
     workerp.add_argument("--role", choices=("mono", "prefill", "decode"), required=True)
     workerp.add_argument("--listen", required=True, metavar="HOST:PORT",
@@ -268,7 +281,8 @@ class MuxSettings:
         return args.kv_save_dir or (Path(env["KVSAVE_DIR"]) if env.get("KVSAVE_DIR") else DEFAULT_KV_SAVE_DIR)
 
 
-def cmd_mux(args) -> int:
+def cmd_mux(args, mirror=None) -> int:
+    """mirror: on process 0 of a group, where the runner sends its device calls."""
     import trio
 
     from .actors.legacy_bridge import LegacyBridge, LegacySettings
@@ -307,7 +321,7 @@ def cmd_mux(args) -> int:
     async def serve():
         kv_slots = 1 if mux.legacy else mux.kv_slots
         async with Engine(loaded, kv_slots=kv_slots, max_context=mux.context, experts=mux.experts,
-                          mesh=args.mesh) as engine:
+                          mesh=args.mesh, mirror=mirror) as engine:
             stdin = trio.lowlevel.FdStream(os.dup(0))
             stdout = trio.lowlevel.FdStream(protocol_fd)
             if mux.legacy:
@@ -343,7 +357,7 @@ async def _stop_on_signal(intake, scope):
                 intake.shutdown(SHUTDOWN_GRACE_S)
 
 
-def cmd_serve(args) -> int:
+def cmd_serve(args, mirror=None) -> int:
     from .http.serve import run
     from .http.settings import ServeSettings
     from .split_settings import SplitSettings
@@ -360,7 +374,7 @@ def cmd_serve(args) -> int:
     lazy = settings.experts.mode != "resident"  # tiered or not is decided once the model is known
     in_process = args.engine_cmd is None and settings.split is None
     model = open_model(model_settings(args), lazy) if in_process else None
-    return run(settings, model)
+    return run(settings, model, mirror)
 
 
 def cmd_worker(args) -> int:
@@ -369,7 +383,40 @@ def cmd_worker(args) -> int:
     return run_worker(args)
 
 
-COMMANDS = {"chat": cmd_chat, "info": cmd_info, "mux": cmd_mux, "serve": cmd_serve, "worker": cmd_worker}
+def in_group(command):
+    """The command as one process of a group when the flags (or MOTET_ variables) name one:
+    jax.distributed first of all, then process 0 runs `command(args, mirror)` and the
+    others follow it (docs/scaling.md)."""
+
+    def run(args) -> int:
+        group_settings = DistributedSettings.from_args(args, os.environ)
+        if group_settings is None:
+            return command(args)
+        if getattr(args, "engine_cmd", None) is not None or getattr(args, "split", None) is not None:
+            raise ValueError("a group of processes serves with the in-process engine: "
+                             "leave out --engine-cmd and --split")
+        with join_group(group_settings, args.mesh) as group:
+            if group.leader:
+                return command(args, group.send)
+            return follow_leader(args, group)
+
+    return run
+
+
+def follow_leader(args, group) -> int:
+    """A process > 0 of a group: the model loaded as process 0 loads it, then process 0's
+    device calls, repeated until it stops."""
+    from .actors.follower import follow
+
+    settings = model_settings(args)
+    if args.command == "mux":  # mux loads SNAP (or --model) at the model's own context
+        settings = replace(settings, path=MuxSettings.from_args(args, os.environ).model, max_context=None)
+    follow(open_model(settings), group.receive)
+    return 0
+
+
+COMMANDS = {"chat": cmd_chat, "info": cmd_info, "mux": in_group(cmd_mux), "serve": in_group(cmd_serve),
+            "worker": cmd_worker}
 
 
 def main(argv: list[str] | None = None) -> int:

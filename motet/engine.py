@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -86,10 +87,13 @@ class Engine(Service):
         queue_limit: int = 64,
         experts: ExpertSettings | None = None,
         mesh: MeshSpec | str | None = None,
+        mirror: Callable[[bytes], None] | None = None,
     ):
         """experts: where a MoE model's experts live (default: all on the device unless
         a budget says otherwise; see ExpertSettings). mesh: shard the model over several
-        devices of this process, e.g. "ep=2,tp=2" (docs/scaling.md); experts stay resident."""
+        devices of this process, e.g. "ep=2,tp=2" (docs/scaling.md); experts stay resident.
+        mirror: on process 0 of a group, where the runner sends its device calls for the
+        other processes (runtime/distributed.py Group.send; docs/scaling.md)."""
         if not 1 <= kv_slots <= MAX_SLOTS:
             raise ValueError(f"kv_slots must be in [1, {MAX_SLOTS}], got {kv_slots}")
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
@@ -102,6 +106,7 @@ class Engine(Service):
         self.queue_limit = queue_limit
         self.expert_settings = experts or ExpertSettings()
         self.mesh = None if mesh is None else MeshSpec.of(mesh)
+        self._mirror = mirror
         self.expert_plan: ExpertPlan | None = None
         self.heat_file: HeatFile | None = None
         self._expert_cache: ExpertCache | None = None
@@ -126,7 +131,7 @@ class Engine(Service):
         runner = await trio.to_thread.run_sync(
             partial(ModelRunner, self.model, geo, self.expert_plan,
                     prefetch=self.expert_settings.prefetch, rank=policy.rank() if policy else None,
-                    mesh=self.mesh)
+                    mesh=self.mesh, mirror=self._mirror)
         )
         if policy is not None:
             self._expert_cache = ExpertCache(policy, tiered=self.expert_plan.mode == "tiered",

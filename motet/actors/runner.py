@@ -4,7 +4,9 @@ the scheduler's one worker thread; nothing else touches device state."""
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import jax
@@ -20,6 +22,7 @@ from ..model.sampling import request_key, sample
 from ..model.sharding import MeshSpec, mesh_of, model_mesh, place_weights
 from ..model.tiered import EXPERT_KEYS, shared_weight_bytes
 from ..model.tiered_model import TieredModel
+from ..protocol.mirror import Op, encode
 from ..runtime.api import ExpertTiers
 from .expert_policy import ExpertPlan
 
@@ -38,6 +41,10 @@ class SamplingRow:
     top_p: float
     key: np.ndarray  # uint32[2]
     want_top: bool
+
+
+# The records a mirror frame may carry (protocol/mirror.py).
+MIRROR_RECORDS = (SamplingRow,)
 
 
 @dataclass(frozen=True)
@@ -64,11 +71,13 @@ class ExpertStep:
 class ModelRunner:
     def __init__(self, model: Model, geo: KVGeometry, plan: ExpertPlan | None = None, *,
                  prefetch: bool = True, rank: np.ndarray | None = None,
-                 mesh: MeshSpec | str | None = None):
+                 mesh: MeshSpec | str | None = None, mirror: Callable[[bytes], None] | None = None):
         """plan: resident (None) or tiered experts; rank: the initial heat per (MoE layer,
         expert) the tiered pool starts from (hottest first onto the device); mesh: shard
         the weights and the KV over several devices (model/sharding.py) — weights loaded
-        onto that mesh already stay where they are."""
+        onto that mesh already stay where they are. mirror: on process 0 of a group
+        (runtime/distributed.py), where each device call goes as a frame first (START
+        now, with the geometry), for the other processes to repeat (actors/follower.py)."""
         cfg = model.config
         tiered = plan is not None and plan.mode == "tiered"
         if tiered and (mesh is not None or mesh_of(model.weights) is not None):
@@ -84,6 +93,8 @@ class ModelRunner:
                                  f"load them on one device or on the same mesh ({dict(mesh.shape)})")
         self.model = model
         self.geo = geo
+        self.mirror = mirror
+        self._mirror(Op.START, geo.n_slots, geo.max_context, geo.chunk, fingerprint(model))
         dtype = model.weights["lm_head"].dtype
         self.kv = init_kv(cfg, geo, dtype, model_kv_sharding(model))
         # Seconds spent sampling so far: the scheduler splits a step's time with it.
@@ -107,16 +118,27 @@ class ModelRunner:
     def new_key(seed: int) -> np.ndarray:
         return np.asarray(request_key(seed % (1 << 63)))  # JAX seeds are int64
 
+    def _mirror(self, op: Op, *args) -> None:
+        """The seam every call that runs a computation over the device mesh goes through
+        first: on a group's leader, the call as a frame for the followers."""
+        if self.mirror is not None:
+            self.mirror(encode(op, args, MIRROR_RECORDS))
+
     def prefill(self, slot: int, ids: list[int], offset: int, row: SamplingRow) -> Sampled:
         """Run `ids` (at most one chunk) into `slot` at `offset` and sample the next token
         from the last one's logits."""
-        logits, experts = self.extend(slot, ids, offset)
+        self._mirror(Op.PREFILL, slot, ids, offset, row)
+        logits, experts = self._extend(slot, ids, offset)
         # the prompt's routing counts toward the first token: [layers, k·len(ids)]
         layers, tokens, k = experts.shape
         return self._sample(logits[None], [row], experts.reshape(1, layers, tokens * k))[0]
 
     def extend(self, slot: int, ids: list[int], offset: int):
         """Run a chunk into the cache: (logits after its last token, routing [layers, t, k])."""
+        self._mirror(Op.EXTEND, slot, ids, offset)
+        return self._extend(slot, ids, offset)
+
+    def _extend(self, slot: int, ids: list[int], offset: int):
         if self.tiered is not None:
             logits, self.kv, experts = self.tiered.prefill_slot(self.kv, self.geo, slot, ids, offset)
             return logits, experts
@@ -128,13 +150,14 @@ class ModelRunner:
     def wait_ready(self) -> None:
         """Block until the device has finished every step dispatched so far (JAX runs
         them asynchronously; a prefill that samples nothing is otherwise still running
-        when its call returns)."""
+        when its call returns). Not mirrored: a wait on this process's own devices."""
         jax.block_until_ready(self.kv)
 
     def decode(self, tokens: list[int], slots: list[int], positions: list[int],
                rows: list[SamplingRow]) -> list[Sampled]:
         """One batched step: each row feeds its token at its position in its slot, then
         samples its next token."""
+        self._mirror(Op.DECODE, tokens, slots, positions, rows)
         if self.tiered is not None:
             logits, self.kv, experts = self.tiered.decode_step(self.kv, self.geo, tokens, slots, positions)
         else:
@@ -173,10 +196,12 @@ class ModelRunner:
 
     def read_layers(self, slot: int, first: int, count: int, tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Layers first .. first + count - 1 of `slot`: (K, V) host arrays per layer."""
+        self._mirror(Op.READ_LAYERS, slot, first, count, tokens)  # a gather when the KV spans processes
         return [read_slot_layer(self.kv, layer, slot, tokens) for layer in range(first, first + count)]
 
     def write_layers(self, slot: int, first: int, pairs: list) -> None:
         """(K, V) host arrays into layers first, first + 1, ... of `slot`."""
+        self._mirror(Op.WRITE_LAYERS, slot, first, pairs)
         for layer, (k_rows, v_rows) in enumerate(pairs, first):
             self.kv = write_slot_layer(self.kv, self.geo, layer, slot, k_rows, v_rows)
 
@@ -219,6 +244,14 @@ class ModelRunner:
             (self.shared_bytes + pool_bytes) / 1e9, ram * pool.expert_bytes / 1e9, pool.C,
             *(int(x) for x in self.totals), gpus=_gpus(device),
         )
+
+
+def fingerprint(model: Model) -> str:
+    """What the processes of a group must have loaded alike: the model's geometry, its
+    dtype and the mesh its weights are on."""
+    mesh = mesh_of(model.weights)
+    what = (model.config, str(model.weights["lm_head"].dtype), None if mesh is None else dict(mesh.shape))
+    return hashlib.sha256(repr(what).encode()).hexdigest()[:16]
 
 
 def _gpus(experts: int) -> tuple[tuple[float, float, int], ...]:

@@ -72,8 +72,9 @@ async def wait_for_signal() -> None:
 
 
 @asynccontextmanager
-async def open_engine(settings: ServeSettings, model):
-    """The in-process Engine around `model`, or `engine_cmd` driven through a MuxEngine
+async def open_engine(settings: ServeSettings, model, mirror=None):
+    """The in-process Engine around `model` (`mirror`: process 0 of a group, Engine's),
+    or `engine_cmd` driven through a MuxEngine
     that is started again whenever the child exits, or with `split` a SplitEngine over two
     of them (`engine_cmd`, default `motet mux`)."""
     if settings.split is not None:
@@ -88,7 +89,8 @@ async def open_engine(settings: ServeSettings, model):
         from ..engine import Engine
 
         async with Engine(model, kv_slots=settings.kv_slots, max_context=settings.max_context,
-                          queue_limit=settings.queue_limit, experts=settings.experts) as engine:
+                          queue_limit=settings.queue_limit, experts=settings.experts,
+                          mirror=mirror) as engine:
             yield engine
         return
     from ..mux_engine import MuxEngine
@@ -125,11 +127,12 @@ def banner(url: str, model: str, with_key: bool) -> str:
     )
 
 
-def run(settings: ServeSettings, model=None) -> int:
-    """`motet serve`: `model` is a loaded Model (None with `engine_cmd`)."""
+def run(settings: ServeSettings, model=None, mirror=None) -> int:
+    """`motet serve`: `model` is a loaded Model (None with `engine_cmd`); `mirror`: on
+    process 0 of a group, where the engine's runner sends its device calls."""
 
     async def main():
-        async with open_engine(settings, model) as engine:
+        async with open_engine(settings, model, mirror) as engine:
             async with trio.open_nursery() as nursery:
                 urls = await nursery.start(partial(serve_app, engine, settings,
                                                    shutdown_trigger=wait_for_signal))

@@ -78,9 +78,19 @@ def read_slot_layer(kv, layer: int, slot: int, tokens: int) -> tuple[np.ndarray,
     # A bucketed width comes over (a few compiled slices cover every length), then numpy
     # cuts it to size.
     width = max(1, min(bucket(tokens), k[layer].shape[-1]))
-    k_rows = np.asarray(k[layer][slot, :, :, :width])[:, :, :tokens].transpose(2, 0, 1)
-    v_rows = np.asarray(v[layer][slot, :, :width, :])[:, :tokens, :].transpose(1, 0, 2)
+    k_rows = _on_host(k[layer][slot, :, :, :width])[:, :, :tokens].transpose(2, 0, 1)
+    v_rows = _on_host(v[layer][slot, :, :width, :])[:, :tokens, :].transpose(1, 0, 2)
     return np.ascontiguousarray(k_rows), np.ascontiguousarray(v_rows)
+
+
+def _on_host(x) -> np.ndarray:
+    """A device array as one host array. KV heads split over several processes are
+    gathered: a collective, so every process of the group makes this call."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental.multihost_utils import process_allgather
+
+    return np.asarray(process_allgather(x, tiled=True))
 
 
 @partial(jax.jit, donate_argnums=(0, 1))

@@ -1,0 +1,61 @@
+"""A follower: a process > 0 of a group (runtime/distributed.py). It runs no front and no
+actors; it builds the same ModelRunner as process 0 over the same global mesh and repeats
+every device call process 0's runner makes, in the same order, until STOP.
+
+    follow(model, group.receive)   # returns the number of calls repeated
+
+The leader's runner sends START (its KV geometry and its model's fingerprint) when it is
+built, then one frame per device call (protocol/mirror.py). Results are dropped: process 0
+samples and answers. A call that raises raised on process 0 too (same arguments, same
+code) and process 0's scheduler deals with it, so the follower goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from ..model.kv import KVGeometry
+from ..model.model import Model
+from ..protocol.mirror import MirrorError, Op, decode
+from .runner import MIRROR_RECORDS, ModelRunner, fingerprint
+
+log = logging.getLogger(__name__)
+
+CALLS = {
+    Op.PREFILL: ModelRunner.prefill,
+    Op.EXTEND: ModelRunner.extend,
+    Op.DECODE: ModelRunner.decode,
+    Op.READ_LAYERS: ModelRunner.read_layers,
+    Op.WRITE_LAYERS: ModelRunner.write_layers,
+}
+
+
+def follow(model: Model, receive: Callable[[], bytes]) -> int:
+    """Build the runner when process 0 does, then repeat its calls until STOP."""
+    op, args = decode(receive(), MIRROR_RECORDS)
+    if op is Op.STOP:
+        log.info("process 0 stopped before it built its runner")
+        return 0
+    if op is not Op.START:
+        raise MirrorError(f"the first frame from process 0 is START or STOP, got {op.name}")
+    slots, context, chunk, theirs = args
+    if theirs != fingerprint(model):
+        raise MirrorError("this process loaded another model, dtype or mesh than process 0: "
+                          "start every process of a group with the same model flags")
+    runner = ModelRunner(model, KVGeometry(n_slots=slots, max_context=context, chunk=chunk))
+    log.info("following process 0: %d KV slots of %d positions", slots, context)
+    calls = 0
+    while True:
+        op, args = decode(receive(), MIRROR_RECORDS)
+        if op is Op.STOP:
+            log.info("process 0 stopped after %d calls", calls)
+            return calls
+        call = CALLS.get(op)
+        if call is None:
+            raise MirrorError(f"unexpected {op.name} from process 0 while following")
+        try:
+            call(runner, *args)
+        except Exception as exc:  # noqa: BLE001 - process 0 had the same error and handles it
+            log.warning("%s failed here as on process 0: %s", op.name, exc)
+        calls += 1
