@@ -17,7 +17,8 @@ import trio.testing
 from conftest import GOLDEN, MUX_COMMAND
 from motet.engine import Engine
 from motet.runtime.errors import BadRequest, Cancelled, QueueFull, SlotBusy
-from motet.split import SlotTable, SplitEngine, SplitStatistics, open_split_engines
+from motet.split import SplitEngine, SplitStatistics, open_split_engines
+from motet.split_slots import SlotTable
 from motet.split_settings import SplitConfigError, SplitSettings
 
 TIMEOUT = 240  # seconds
