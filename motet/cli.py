@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     servep.add_argument("--queue-limit", type=int, default=64, help="requests waiting for a slot (past it: 429)")
     servep.add_argument("--web-dir", type=Path, default=None, help="the folder served at / (default: the repo's web/)")
     servep.add_argument("--engine-cmd", default=None, help='a mux engine to drive, e.g. "motet mux"')
+    servep.add_argument("--send-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="close a connection whose client takes no bytes of an answer for this long "
+                        "(its request is cancelled, its slot freed)")
     servep.add_argument("--split", default=None, metavar="JSON",
                         help='split serving: a prefill and a decode engine, e.g. \'{"prefill_device": 0, '
                         '"decode_device": 1, "min_prompt_tokens": 2048}\' (\'{}\': defaults; README)')
@@ -370,6 +373,7 @@ def cmd_serve(args, mirror=None) -> int:
         max_body_bytes=args.max_body_bytes, engine_cmd=args.engine_cmd, model_path=args.model,
         slot_save_path=args.slot_save_path, experts=expert_settings(args, os.environ), **extra,
         split=SplitSettings.from_json(args.split) if args.split is not None else None,
+        send_timeout_s=args.send_timeout,
     )  # checked (e.g. no key on a public address) before the model loads
     lazy = settings.experts.mode != "resident"  # tiered or not is decided once the model is known
     in_process = args.engine_cmd is None and settings.split is None

@@ -14,21 +14,30 @@
   test_a_flipped_byte_in_the_layer_data_is_refused_naming_the_layer), and fuzzed in
   test_fuzz.py. Not here yet: restoring a slot from one (KVSAVE) and prefill workers do
   not exist, so neither do their faults (a save interrupted, a worker dying mid-transfer).
+- A full disk when `motet mux` persists a slot (KVSAVE=1): every turn still answers, each
+  failed write is logged and counted (`KVSAVE_FAIL <slot> <failures so far>` before the
+  turn's DONE), and no partial file is left.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import resource
 import shutil
+import subprocess
+import sys
 
 import httpx
 import pytest
 import trio
-from conftest import GOLDEN
+from conftest import GOLDEN, REPO
 from test_http import HELLO, TIMEOUT, mux_server, tiny_server, wait_until
+from test_mux_sessions import LLAMA, submit
 
 from motet.model import load_model
 from motet.mux_engine import MuxEngine
+from motet.protocol import mux
 from motet.runtime.errors import BadRequest
 
 MUX = {"kv_slots": 2, "max_context": 256}
@@ -132,3 +141,65 @@ async def test_what_the_mux_wire_cannot_carry_is_refused_at_entry():
         with pytest.raises(BadRequest, match=reason):
             async with engine.stream(prompt, max_tokens=1):
                 pass
+
+
+def test_kvsave_fail_is_an_extension_line_other_servers_skip():
+    line = mux.encode_kvsave_fail(mux.KvSaveFail(3, 7))
+    assert line == b"KVSAVE_FAIL 3 7\n"
+    assert mux.ExtendedResponseDecoder().feed(line) == [mux.KvSaveFail(3, 7)]
+    assert mux.ResponseDecoder().feed(line) == []  # an unknown kind: skipped
+    bad = mux.ExtendedResponseDecoder().feed(b"KVSAVE_FAIL 3\nKVSAVE_FAIL -1 2\nKVSAVE_FAIL 1 x\n")
+    assert [type(e) for e in bad] == [mux.BadLine] * 3
+
+
+@pytest.mark.skipif(not hasattr(resource, "prlimit"), reason="needs prlimit (Linux)")
+async def test_a_full_disk_when_persisting_is_counted_and_every_turn_still_answers(tmp_path):
+    # RLIMIT_FSIZE stands in for a full disk: a write past it fails with EFBIG (CPython
+    # ignores SIGXFSZ). A slot file of the tiny llama is well past 2 KiB. No compilation
+    # cache (it writes large files), and stderr a pipe (a file would meet the limit too).
+    # The limit is set with prlimit once the child runs (before READY, so before any slot
+    # write), not with a preexec_fn, which would fork this multithreaded (JAX) process.
+    kv = tmp_path / "kv"
+    command = (sys.executable, "-m", "motet", "mux", "--compile-cache", "")
+    stderr = bytearray()
+    with trio.fail_after(TIMEOUT):
+        process = await trio.lowlevel.open_process(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env={**os.environ, **LLAMA, "KVSAVE": "1", "KVSAVE_DIR": str(kv)}, cwd=REPO,
+        )
+        decoder, events = mux.ExtendedResponseDecoder(), []
+
+        async def until(done):
+            while not done():
+                data = await process.stdout.receive_some(65536)
+                assert data, "the engine closed its stdout"
+                events.extend(decoder.feed(data))
+
+        async def drain_stderr():
+            while data := await process.stderr.receive_some(65536):
+                stderr.extend(data)
+
+        try:
+            resource.prlimit(process.pid, resource.RLIMIT_FSIZE, (2048, 2048))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(drain_stderr)
+                await until(lambda: mux.Ready() in events)
+                for rid, slot in ((1, 0), (2, 1)):  # the second turn is answered too
+                    await process.stdin.send_all(submit(rid, slot))
+                    await until(lambda: any(isinstance(e, mux.Done) and e.request_id == rid for e in events))
+                await process.stdin.aclose()  # EOF: the engine exits
+                while data := await process.stdout.receive_some(65536):
+                    events.extend(decoder.feed(data))
+                assert await process.wait() == 0
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+    for rid, slot, failures in ((1, 0, 1), (2, 1, 2)):
+        done = next(i for i, e in enumerate(events) if isinstance(e, mux.Done) and e.request_id == rid)
+        assert any(isinstance(e, mux.Data) and e.request_id == rid for e in events[:done])
+        assert mux.KvSaveFail(slot, failures) in events[:done]  # counted, before the DONE
+    assert sum(isinstance(e, mux.KvSaveFail) for e in events) == 2
+    assert [p for p in kv.rglob("*") if not p.is_dir()] == []  # no partial file left
+    log = stderr.decode(errors="replace")
+    assert "KVSAVE: slot 0 not saved" in log and "File too large" in log

@@ -105,7 +105,8 @@ def same(a: list, b: list) -> bool:
 REQUEST_EVENTS = (mux.Submit, mux.Cancel, mux.Stop, mux.Malformed, mux.BadFrame,
                   mux.Save, mux.Restore, mux.Erase, mux.Prefill)
 RESPONSE_EVENTS = (mux.Ready, mux.Data, mux.TopK, mux.Done, mux.Error, mux.Telemetry, mux.BadLine,
-                   mux.Turn, mux.LoadFail, mux.Saved, mux.Restored, mux.Erased, mux.Prefilled, mux.SessionRefused)
+                   mux.Turn, mux.LoadFail, mux.Saved, mux.Restored, mux.Erased, mux.Prefilled, mux.SessionRefused,
+                   mux.KvSaveFail)
 
 
 def check_mux_requests(data: bytes, cuts=()) -> None:

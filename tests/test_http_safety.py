@@ -18,7 +18,7 @@ import trio
 from conftest import GOLDEN, REPO
 
 from motet.http.settings import ServeSettings
-from test_http import HELLO, in_thread, sync_client, tiny_server
+from test_http import HELLO, TIMEOUT, in_thread, metric, sync_client, tiny_server, wait_until
 
 KEY = "s3cret-key"
 
@@ -81,6 +81,14 @@ def test_public_bind_needs_a_key_or_an_explicit_choice():
     ServeSettings(host="0.0.0.0", allow_insecure_bind=True)
     ServeSettings(host="::1")
     ServeSettings(host="localhost")
+
+
+def test_timeouts_must_be_positive():
+    for name in ("send_timeout_s", "body_timeout_s", "header_timeout_s"):
+        for bad in (0, -1.0, float("nan")):
+            with pytest.raises(ValueError, match=name):
+                ServeSettings(**{name: bad})
+    assert ServeSettings().send_timeout_s == 30.0
 
 
 def test_cli_refuses_a_public_bind_without_a_key():
@@ -324,3 +332,44 @@ async def test_a_hostile_model_template_meets_the_sandbox_and_a_clean_400(tmp_pa
     error = answer.json()["error"]
     assert error["param"] == "messages" and "unsafe" in error["message"]
     assert "<class" not in answer.text and "subclasses" not in error["message"].split("unsafe")[1]
+
+
+# ---- a client that stops reading ----------------------------------------------------
+
+
+async def test_a_client_that_stops_reading_loses_its_request_and_its_slot(llama):
+    # A streamed answer made bulky with logprobs (about 180 KB), to a client whose receive
+    # buffer is tiny and which never reads: the server's write blocks once the buffers are
+    # full; past send_timeout_s the server closes the connection, which ends the stream's
+    # body (counted as cancelled) and the engine request with it, while another client is
+    # served as usual.
+    async with tiny_server(llama, send_timeout_s=1.0) as (engine, url):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        body = json.dumps({"model": "m", "messages": HELLO, "max_tokens": 240, "stream": True,
+                           "logprobs": True, "top_logprobs": 5}).encode()
+        sock = trio.socket.socket()
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 1024)  # before connect
+        await sock.connect((host, int(port)))
+        async with trio.SocketStream(sock) as stalled:
+            await stalled.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                                   b"Content-Type: application/json\r\n"
+                                   b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            await wait_until(lambda: engine.statistics().running == 1)
+            async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as http:
+                other = await http.post("/v1/completions",
+                                        json={"model": "m", "prompt": "hi", "max_tokens": 2})
+                with trio.fail_after(60):
+                    while 'finish_reason="cancelled"' not in (metrics := (await http.get("/metrics")).text):
+                        await trio.sleep(0.05)
+                    await wait_until(lambda: engine.statistics().running == 0)
+            received = b""  # now what the buffers held, then the end: no [DONE]
+            with trio.fail_after(60):
+                try:
+                    while data := await stalled.receive_some(1 << 16):
+                        received += data
+                except trio.BrokenResourceError:  # a reset instead of the end: cut all the same
+                    pass
+    assert other.status_code == 200, other.text
+    assert metric(metrics, "motet_requests_total", finish_reason="cancelled") == 1
+    assert metric(metrics, "motet_requests_total", finish_reason="length") == 1
+    assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received

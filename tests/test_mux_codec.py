@@ -185,9 +185,9 @@ REQUEST_EVENTS = (mux.Submit, mux.Cancel, mux.Stop, mux.Malformed, mux.BadFrame,
                   mux.Save, mux.Restore, mux.Erase, mux.Prefill)
 RESPONSE_EVENTS = (mux.Ready, mux.Data, mux.TopK, mux.Done, mux.Error, mux.Telemetry, mux.BadLine)
 EXTENDED_EVENTS = (*RESPONSE_EVENTS, mux.Turn, mux.LoadFail, mux.Saved, mux.Restored, mux.Erased,
-                   mux.Prefilled, mux.SessionRefused)
+                   mux.Prefilled, mux.SessionRefused, mux.KvSaveFail)
 words = st.sampled_from([b"SUBMIT", b"CANCEL", b"STOP", b"DATA", b"DONE", b"TOPK", b"ERROR",
-                         b"STAT", b"SAVE", b"RESTORE", b"ERASE", b"PREFILL", b"SAVED", b"RESTORED",
+                         b"STAT", b"SAVE", b"RESTORE", b"ERASE", b"PREFILL", b"SAVED", b"RESTORED", b"KVSAVE_FAIL",
                          b"ERASED", b"PREFILLED", b"SESSION_REFUSED", b" ", b"\n", b"1", b"0", b"-3",
                          b"5", b"0.5", b"x", b"\x00", b"\xff", b"\r\n", mux.READY])
 streams = st.one_of(st.binary(max_size=300), st.lists(words, max_size=60).map(b"".join))

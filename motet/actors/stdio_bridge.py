@@ -46,11 +46,12 @@ def safe_name(fingerprint: str) -> str:
 class SlotStore:
     """KVSAVE: each slot's session file, `<dir>/<model>/slot-<n>.session`, restored at
     start and written at the end of every turn. A file that cannot be read or written
-    costs a warning on stderr, never a turn."""
+    costs a warning on stderr, never a turn; the writes that failed are counted."""
 
     def __init__(self, engine, root: Path):
         self.engine = engine
         self.folder = root.expanduser() / safe_name(engine.session_header.model)
+        self.failures = 0  # writes that failed since start
 
     def path(self, slot: int) -> Path:
         return self.folder / f"slot-{slot}.session"
@@ -67,12 +68,17 @@ class SlotStore:
             else:
                 log.info("KVSAVE: slot %d restored %d tokens from %s", slot, restored.tokens, path)
 
-    async def persist(self, slot: int) -> None:
+    async def persist(self, slot: int) -> bool:
+        """Write the slot's file; False when it failed (the old file, if any, is kept)."""
         try:
             self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
             await self.engine.save_slot(slot, self.path(slot))
         except (OSError, ValueError, EngineError) as exc:  # a full disk, no permission
-            log.warning("KVSAVE: slot %d not saved to %s: %s", slot, self.path(slot), exc)
+            self.failures += 1
+            log.warning("KVSAVE: slot %d not saved to %s (%d failures so far): %s",
+                        slot, self.path(slot), self.failures, exc)
+            return False
+        return True
 
     def forget(self, slot: int) -> None:
         try:
@@ -262,12 +268,18 @@ class StdioBridge:
                         await self._write(frame)
                 elif isinstance(event, FinishEvent):
                     if self.store is not None:
-                        await self.store.persist(sub.slot)  # before the turn's last line
+                        await self._persist(sub.slot)  # before the turn's last line
                     self._release(rid, sub.slot)  # the next command may use the slot at once
                     await self._write(self._finish(sub, event))
         finally:
             self._release(rid, sub.slot)
             await stream.__aexit__(None, None, None)
+
+    async def _persist(self, slot: int) -> None:
+        """KVSAVE the slot; a write that failed is also told to the server, counted
+        ([extension] `KVSAVE_FAIL <slot> <failures so far>`)."""
+        if not await self.store.persist(slot):
+            await self._write(mux.encode_kvsave_fail(mux.KvSaveFail(slot, self.store.failures)))
 
     async def _slot_command(self, command: mux.Save | mux.Restore | mux.Erase):
         """Run a SAVE, RESTORE or ERASE (the slot claimed) and write its answer."""
@@ -294,7 +306,7 @@ class StdioBridge:
             case mux.Restore(path=path):
                 f = await self.engine.restore_slot(slot, path)
                 if self.store is not None:
-                    await self.store.persist(slot)  # a restart finds what the slot holds now
+                    await self._persist(slot)  # a restart finds what the slot holds now
                 return mux.encode_restored(mux.Restored(rid, slot, f.tokens, f.bytes, f.ms))
             case mux.Erase():
                 tokens = await self.engine.erase_slot(slot)

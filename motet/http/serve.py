@@ -24,6 +24,7 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from .app import create_app
 from .restart import RestartingEngine
+from .send_timeout import SendTimeout
 from .settings import ServeSettings
 
 
@@ -60,7 +61,9 @@ async def serve_app(engine, settings: ServeSettings, *, shutdown_trigger=None,
         await shutdown_trigger()
         server.closing = True  # requests still arriving on open connections get a 503
 
-    await hypercorn_serve(app, hypercorn_config(settings), task_status=task_status,
+    # Each write of a response is bounded: a client that stops reading loses its request
+    await hypercorn_serve(SendTimeout(app, settings.send_timeout_s), hypercorn_config(settings),
+                          task_status=task_status,
                           shutdown_trigger=closing if shutdown_trigger is not None else None)
 
 

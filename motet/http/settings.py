@@ -40,6 +40,8 @@ class ServeSettings:
     body_timeout_s: float = 30.0  # a request body not read in full by then: 408
     header_timeout_s: float = 10.0  # a connection idle before its headers are complete
     max_header_bytes: int = 16 << 10
+    send_timeout_s: float = 30.0  # one write of a response not taken by then (a client that
+    # stopped reading): the connection is closed and its request cancelled
     experts: ExpertSettings = ExpertSettings()  # where a MoE model's experts live (in-process)
     # What one request may ask (past a limit: a 400 naming the field); max_tokens is
     # bounded by max_context
@@ -69,6 +71,9 @@ class ServeSettings:
                      "max_stop_chars", "max_prompt_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("body_timeout_s", "header_timeout_s", "send_timeout_s"):
+            if not getattr(self, name) > 0:  # also refuses NaN
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_stops < 0:
             raise ValueError(f"max_stops must be >= 0, got {self.max_stops}")
         if self.slot_save_path is not None:

@@ -570,6 +570,17 @@ class Prefilled:
 
 
 @dataclass(frozen=True)
+class KvSaveFail:
+    """`KVSAVE_FAIL <slot> <failures>`: with KVSAVE=1 the slot's file could not be written
+    (a full disk, no permission); `failures` counts such writes since the engine started.
+    Written before the line that ends the turn or command (DONE, CANCELLED, PREFILLED,
+    RESTORED), which is answered as usual."""
+
+    slot: int
+    failures: int
+
+
+@dataclass(frozen=True)
 class SessionRefused:
     """`ERROR <id> SESSION_REFUSED <reason>`: a session file the engine will not restore."""
 
@@ -593,6 +604,10 @@ def encode_prefilled(e: Prefilled) -> bytes:
     return f"PREFILLED {e.request_id} {e.slot} {e.tokens} {e.reused} {e.ms:.1f}\n".encode()
 
 
+def encode_kvsave_fail(e: KvSaveFail) -> bytes:
+    return f"KVSAVE_FAIL {e.slot} {e.failures}\n".encode()
+
+
 def encode_session_refused(request_id: int, reason: str) -> bytes:
     """The reason on one line: its whitespace (newlines too) becomes single spaces."""
     return encode_error(request_id, "SESSION_REFUSED", " ".join(reason.split()) or "refused")
@@ -603,7 +618,7 @@ _COUNTED_REPLIES = {"SAVED": Saved, "RESTORED": Restored, "PREFILLED": Prefilled
 
 class ExtendedResponseDecoder(ResponseDecoder):
     """A ResponseDecoder that also reads motet's extension lines (TURN, LOAD_FAIL, SAVED,
-    RESTORED, ERASED, PREFILLED, ERROR .. SESSION_REFUSED), which the plain decoder skips
+    RESTORED, ERASED, PREFILLED, KVSAVE_FAIL, ERROR .. SESSION_REFUSED), which the plain decoder skips
     as unknown kinds (or reads as a plain Error)."""
 
     def _parse(self, kind: str, args: list[str], line: bytes):
@@ -623,6 +638,10 @@ class ExtendedResponseDecoder(ResponseDecoder):
             if len(args) != 3:
                 raise ValueError("ERASED takes an id, a slot and a token count")
             return Erased(_u64(args[0], "id", nonzero=True), int(args[1]), int(args[2]))
+        if kind == "KVSAVE_FAIL":
+            if len(args) != 2:
+                raise ValueError("KVSAVE_FAIL takes a slot and a count")
+            return KvSaveFail(_u64(args[0], "slot"), _u64(args[1], "count"))
         if kind == "ERROR" and args[1:2] == ["SESSION_REFUSED"]:
             # The reason is free text (UTF-8): the rest of the line after the code, as written.
             reason = b"".join(line.split(None, 3)[3:]).strip()
