@@ -4,6 +4,7 @@ imported, and the rest of the suite runs on one device).
 
     python tests/mesh_check.py models   # greedy tokens and logits per (arch, layout)
     python tests/mesh_check.py engine   # the full Engine on a mesh vs on one device
+    python tests/mesh_check.py tiered   # tiered experts, a pool per ep device, vs resident
 
 Layouts the tiny golden checkpoints cannot split (tp=4: they have 2 KV heads) run on the
 same architecture with 8 heads / 4 KV heads and seeded random weights.
@@ -190,11 +191,161 @@ def check_engine(arch: str = "qwen3_moe", mesh: str = "ep=2,tp=2") -> dict:
     return {"arch": arch, "layout": mesh, "one_device": one, "mesh": sharded}
 
 
+# Prompts of two chunks and more (prefill reads its history), and enough decode steps
+# for the pool to miss, evict and prefetch.
+TIERED_GEO = KVGeometry(n_slots=2, max_context=64, chunk=16)
+TIERED_STEPS = 8
+
+
+def _tiered_greedy(prefill, decode, prompt: list[int]) -> list[int]:
+    """TIERED_STEPS greedy tokens, then the last decode step three times more (the same
+    token at the same position: once what it needs is in the pool, a one-jit step)."""
+    tokens = [prefill(prompt)]
+    for i in range(TIERED_STEPS - 1):
+        tokens.append(decode(tokens[-1], len(prompt) + i))
+    return tokens + [decode(tokens[-2], len(prompt) + TIERED_STEPS - 2) for _ in range(3)]
+
+
+def _pool_owners(pool) -> dict:
+    """Whether every expert sits in its owner's slot range, and whether each device's
+    shard of every pool array holds exactly the experts of its own range (compared with
+    the model file's copy)."""
+    in_range, shards_ok, shard_slots = True, True, set()
+    for r in range(pool.R):
+        for g in range(pool.groups):
+            held = pool.occupant[r, list(pool.owner_slots(g))]
+            in_range &= bool(all(e < 0 or pool.owner(int(e)) == g for e in held))
+        for shard in pool.pools[r][0].addressable_shards:
+            rows = range(*shard.index[0].indices(pool.C))
+            shard_slots.add(len(rows))
+            for s in rows:
+                e = int(pool.occupant[r, s])
+                if e >= 0:
+                    want = pool.reader.read(r, e)[0]
+                    shards_ok &= bool(np.allclose(np.asarray(shard.data)[s - rows.start], want))
+    return {"in_owner_range": in_range, "shards_hold_own": shards_ok, "slots_per_device": sorted(shard_slots)}
+
+
+def _count_fused(tiered) -> dict:
+    """Count the tiered model's one-jit steps kept and thrown away (a missing expert)."""
+    counts, run = {"kept": 0, "thrown": 0}, tiered._fused
+
+    def counted(n, step):
+        tried = tiered.allow_optimistic and tiered.optimistic
+        out = run(n, step)
+        if tried:
+            counts["kept" if out is not None else "thrown"] += 1
+        return out
+
+    tiered._fused = counted
+    return counts
+
+
+def check_tiered(arch: str = "qwen3_moe") -> list[dict]:
+    """Tiered experts at a pool of half the experts on ep=2 and ep=4 (each device's share
+    of the pool for its own experts) against resident experts on one device: the
+    TieredModel both ways (one-jit steps with prefetch, layer by layer without), and the
+    ModelRunner built with a tiered plan on the mesh."""
+    import trio
+
+    from motet.actors.expert_policy import ExpertPlan
+    from motet.actors.runner import ModelRunner, SamplingRow
+    from motet.model.expert_pool import ExpertPool
+    from motet.model.expert_source import ArrayExpertReader
+    from motet.model.tiered_model import TieredModel
+
+    resident = load_model(GOLDEN / arch)
+    cfg = resident.config
+    prompt = np.load(GOLDEN / arch / "golden.npz")["prompt_ids"].tolist()
+    prompt += np.random.default_rng(7).integers(3, cfg.vocab_size, 20).tolist()
+
+    def resident_prefill(ids):
+        state["kv"] = init_kv(cfg, TIERED_GEO)
+        logits, state["kv"] = prefill_slot(resident, state["kv"], TIERED_GEO, 1, ids, 0)
+        return int(np.asarray(logits).argmax())
+
+    def resident_decode(token, at):
+        logits, state["kv"] = decode_step(resident, state["kv"], TIERED_GEO, [token], [1], [at])
+        return int(np.asarray(logits[0]).argmax())
+
+    state: dict = {}
+    want = _tiered_greedy(resident_prefill, resident_decode, prompt)
+    try:  # a pool that does not split into equal ranges per ep group
+        ExpertPool(ArrayExpertReader.from_weights(cfg, resident.weights), sum(cfg.moe_layers), cfg.n_experts,
+                   3, None, cfg.hidden_size, cfg.moe_intermediate_size, mesh=model_mesh("ep=2", cfg))
+        uneven = "accepted"
+    except ValueError as exc:
+        uneven = str(exc)
+    slots, results = cfg.n_experts // 2, []
+    for layout in ("ep=2", "ep=4"):
+        lazy = load_model(GOLDEN / arch, lazy_experts=True, mesh=layout)
+        for prefetch, optimistic in ((True, True), (False, False)):
+            pool = ExpertPool(lazy.expert_reader, sum(cfg.moe_layers), cfg.n_experts, slots, None,
+                              cfg.hidden_size, cfg.moe_intermediate_size, mesh=model_mesh(layout, cfg))
+            pool.fill(np.zeros((pool.R, pool.E)))
+            tiered = TieredModel(lazy, pool, prefetch=prefetch, optimistic=optimistic)
+            fused = _count_fused(tiered)
+
+            def tiered_prefill(ids):
+                state["kv"] = init_kv(cfg, TIERED_GEO, sharding=model_kv_sharding(lazy))
+                logits, state["kv"], _ = tiered.prefill_slot(state["kv"], TIERED_GEO, 1, ids, 0)
+                return int(np.asarray(logits).argmax())
+
+            def tiered_decode(token, at):
+                logits, state["kv"], _ = tiered.decode_step(state["kv"], TIERED_GEO, [token], [1], [at])
+                return int(np.asarray(logits[0]).argmax())
+
+            tokens = _tiered_greedy(tiered_prefill, tiered_decode, prompt)
+            stats = pool.take_stats()
+            results.append({"arch": arch, "layout": layout, "how": "one-jit" if optimistic else "layers",
+                            "tokens": tokens, "one_device": want, "slots": slots,
+                            "misses": stats.lookups - stats.hits, "moves": len(stats.moves),
+                            "one_jit_steps": fused["kept"], "thrown_away": fused["thrown"],
+                            "counts": sum(pool.counts()) == pool.R * pool.E, **_pool_owners(pool)})
+        # the runner, given a tiered plan and the mesh, on the model loaded on one device
+        plan = ExpertPlan("tiered", sum(cfg.moe_layers), cfg.n_experts, slots, None, 1)
+        runner = ModelRunner(resident, TIERED_GEO, plan, mesh=layout)
+        greedy_row = SamplingRow(0.0, 1.0, ModelRunner.new_key(0), False)
+        tokens = _tiered_greedy(lambda ids: runner.prefill(1, ids, 0, greedy_row).token,
+                                lambda token, at: runner.decode([token], [1], [at], [greedy_row])[0].token, prompt)
+        runner.take_expert_step()  # adds the run's lookups and hits to its totals
+        results.append({"arch": arch, "layout": layout, "how": "runner", "tokens": tokens, "one_device": want,
+                        "slots": slots, "misses": int(runner.totals[0] - runner.totals[1]), "moves": None,
+                        "one_jit_steps": None, "thrown_away": None,
+                        "counts": True, **_pool_owners(runner.pool)})
+    # the full Engine with a budget of half the experts per layer, on ep=2
+    one, engine = trio.run(_tiered_engine, None), trio.run(_tiered_engine, "ep=2")
+    results.append({"arch": arch, "layout": "ep=2", "how": "engine", "tokens": engine["tokens"],
+                    "one_device": one["tokens"], "slots": engine["pool_slots"], "misses": engine["misses"],
+                    "moves": None, "one_jit_steps": None, "thrown_away": None, "counts": engine["counts"],
+                    "mode": engine["mode"]})
+    return [{**r, "uneven_pool": uneven} for r in results]
+
+
+async def _tiered_engine(mesh, arch: str = "qwen3_moe") -> dict:
+    """Three requests through an Engine: resident on one device (mesh None), or tiered at
+    half the experts per layer on the mesh."""
+    from motet.engine import Engine
+    from motet.runtime.config import ExpertSettings
+
+    path = GOLDEN / arch
+    prompt = np.load(path / "golden.npz")["prompt_ids"].tolist()
+    with tempfile.TemporaryDirectory() as tmp:
+        half = load_model(path).config.n_experts // 2
+        experts = None if mesh is None else ExpertSettings(device_experts_per_layer=half, heat_file=Path(tmp) / "heat.json")
+        async with Engine(path, mesh=mesh, kv_slots=4, max_context=96, prefill_chunk=16, experts=experts) as engine:
+            tokens = [list((await engine.complete(p, max_tokens=6)).token_ids)
+                      for p in (prompt, prompt[::-1], prompt[2:])]
+            tiers = engine.expert_tiers()
+    return {"tokens": tokens, "mode": tiers.mode, "pool_slots": tiers.pool_slots, "misses": tiers.lookups - tiers.hits,
+            "counts": tiers.device + tiers.ram + tiers.disk == tiers.rows * tiers.cols}
+
+
 def main(argv: list[str]) -> None:
     what = argv[1] if len(argv) > 1 else "models"
     if len(jax.devices()) != DEVICES:
         raise SystemExit(f"expected {DEVICES} devices, got {jax.devices()}")
-    out = check_models() if what == "models" else check_engine()
+    out = {"models": check_models, "engine": check_engine, "tiered": check_tiered}[what]()
     print(json.dumps(out))
 
 

@@ -63,6 +63,28 @@ def test_engine_on_a_mesh_matches_one_device():
     assert all(len(tokens) == 5 for tokens in mesh["first"])
 
 
+def test_tiered_experts_on_ep_meshes_match_resident_on_one_device():
+    """A pool of half the experts split over ep=2 and ep=4 (each device's share for its
+    own experts): the same greedy tokens as resident experts on one device, by one-jit
+    steps, layer by layer, through the runner and the Engine; every expert in its owner's
+    slots and each device's pool shard holding just those."""
+    results = mesh_check("tiered")
+    assert {(r["layout"], r["how"]) for r in results} == {("ep=2", "engine")} | {
+        (lay, how) for lay in ("ep=2", "ep=4") for how in ("one-jit", "layers", "runner")}
+    for r in results:
+        case = f"{r['arch']} {r['layout']} {r['how']}"
+        assert r["tokens"] == r["one_device"], case
+        assert r["misses"] > 0 and r["counts"], case  # the pool was too small: experts moved
+        if r["how"] == "engine":
+            assert r["mode"] == "tiered" and r["slots"] == 4, case
+            continue
+        assert r["in_owner_range"] and r["shards_hold_own"], case
+        assert r["slots_per_device"] == [r["slots"] // int(r["layout"][3:])], case
+    assert sum(r["one_jit_steps"] for r in results if r["how"] == "one-jit") > 0  # the shard_map step ran
+    assert all(r["one_jit_steps"] == r["thrown_away"] == 0 for r in results if r["how"] == "layers")
+    assert all("must both divide by 2" in r["uneven_pool"] for r in results)  # 3 slots on ep=2: refused
+
+
 # ---- the option itself, in-process --------------------------------------------------
 
 
@@ -100,13 +122,13 @@ def test_too_few_devices():
         MeshSpec(ep=2, tp=2).build()
 
 
-def test_tiered_experts_refuse_a_mesh(tiny_model):
-    with pytest.raises(ValueError, match="tiered .* experts do not run on a device mesh"):
-        load_model(GOLDEN / "olmoe", lazy_experts=True, mesh="ep=1")
+def test_tiered_experts_refuse_tp(tiny_model):
+    with pytest.raises(ValueError, match="tiered .* experts run on an ep mesh, not yet with tp > 1"):
+        load_model(GOLDEN / "olmoe", lazy_experts=True, mesh="tp=2")
     model = tiny_model("olmoe")
     plan = ExpertPlan("tiered", 2, 8, 4, None, 1)
-    with pytest.raises(ValueError, match="tiered experts do not run on a device mesh"):
-        ModelRunner(model, TINY_GEO, plan, mesh="ep=1")
+    with pytest.raises(ValueError, match="tiered experts run on an ep mesh, not yet with tp > 1"):
+        ModelRunner(model, TINY_GEO, plan, mesh="tp=2")
 
 
 def test_step_traffic(tiny_model):

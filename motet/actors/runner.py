@@ -19,8 +19,8 @@ from ..model.generate import decode_step, model_kv_sharding, prefill_slot
 from ..model.kv import KVGeometry, init_kv, read_slot_layer, write_slot_layer
 from ..model.model import Model
 from ..model.sampling import request_key, sample
-from ..model.sharding import MeshSpec, mesh_of, model_mesh, place_weights
-from ..model.tiered import EXPERT_KEYS, shared_weight_bytes
+from ..model.sharding import TP, MeshSpec, mesh_axis, mesh_of, model_mesh, place_weights
+from ..model.tiered import EXPERT_KEYS, shared_weight_bytes, shared_weights
 from ..model.tiered_model import TieredModel
 from ..protocol.mirror import Op, encode
 from ..runtime.api import ExpertTiers
@@ -80,17 +80,32 @@ class ModelRunner:
         now, with the geometry), for the other processes to repeat (actors/follower.py)."""
         cfg = model.config
         tiered = plan is not None and plan.mode == "tiered"
-        if tiered and (mesh is not None or mesh_of(model.weights) is not None):
-            raise ValueError("tiered experts do not run on a device mesh yet: keep the experts "
-                             "resident (a budget that fits them all) or leave out the mesh")
+        reader = None
+        if tiered and (mirror is not None or jax.process_count() > 1):
+            # the pool's moves are computations on the mesh the other processes do not repeat
+            raise ValueError("tiered experts do not run in a group of processes yet: keep the experts "
+                             "resident (a budget that fits them all)")
+        if tiered and mesh is not None and mesh_axis(mesh, TP) > 1:
+            raise ValueError(f"tiered experts run on an ep mesh, not yet with tp > 1 (mesh {mesh}): "
+                             "use ep alone or keep the experts resident")
+        if tiered:
+            experts = model.weights
+            if mesh_of(experts) is not None:  # loaded resident onto a mesh: host copies for the pool
+                experts = {"layers": [{k: np.asarray(v) for k, v in layer.items() if k in EXPERT_KEYS}
+                                      for layer in experts["layers"]]}
+            reader = model.expert_reader or ArrayExpertReader.from_weights(cfg, experts)
         if mesh is not None:
             mesh = model_mesh(mesh, cfg)
             placed = mesh_of(model.weights)
             if placed is None:
-                model = replace(model, weights=place_weights(model.weights, cfg, mesh))
+                # a tiered model's experts go to the pool, not onto the mesh
+                weights = shared_model_weights(model.weights) if tiered else model.weights
+                model = replace(model, weights=place_weights(weights, cfg, mesh))
             elif placed != mesh:
                 raise ValueError(f"the model's weights are sharded over another mesh ({dict(placed.shape)}); "
                                  f"load them on one device or on the same mesh ({dict(mesh.shape)})")
+        if tiered and mesh_of(model.weights) is not None:
+            model = replace(model, weights=shared_model_weights(model.weights))  # the pool holds them
         self.model = model
         self.geo = geo
         self.mirror = mirror
@@ -105,10 +120,9 @@ class ModelRunner:
         # as ExpertMap: a dense model is one always-on expert per layer
         self.rows, self.cols = (sum(cfg.moe_layers), cfg.n_experts) if cfg.is_moe else (cfg.n_layers, 1)
         self.totals = np.zeros(5, np.int64)  # lookups, hits, guessed, right, routed
-        if plan is not None and plan.mode == "tiered":
-            reader = model.expert_reader or ArrayExpertReader.from_weights(cfg, model.weights)
+        if tiered:
             self.pool = ExpertPool(reader, plan.layers, plan.experts, plan.pool_slots, plan.ram_capacity,
-                                   cfg.hidden_size, cfg.moe_intermediate_size, dtype)
+                                   cfg.hidden_size, cfg.moe_intermediate_size, dtype, mesh=mesh_of(model.weights))
             self.pool.fill(np.zeros((plan.layers, plan.experts)) if rank is None else rank)
             self.pool.take_stats()  # the start-up loads are not a step's moves
             self.tiered = TieredModel(model, self.pool, prefetch=prefetch)
@@ -244,6 +258,11 @@ class ModelRunner:
             (self.shared_bytes + pool_bytes) / 1e9, ram * pool.expert_bytes / 1e9, pool.C,
             *(int(x) for x in self.totals), gpus=_gpus(device),
         )
+
+
+def shared_model_weights(weights: dict) -> dict:
+    """The weights without the experts (a tiered model's pool holds those)."""
+    return {**weights, "layers": [shared_weights(layer) for layer in weights["layers"]]}
 
 
 def fingerprint(model: Model) -> str:

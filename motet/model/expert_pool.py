@@ -9,6 +9,12 @@ prefetch or a pin). Demotion: a device eviction goes back to RAM, and RAM beyond
 budget drops its coldest experts back to disk (they are re-read from the mmapped file).
 
 r indexes the model's MoE layers (0 … R-1), e an expert, s a pool slot (0 … C-1).
+
+On a device mesh with ep expert-parallel groups (sharding.py), group g owns experts
+[g·E/ep, (g+1)·E/ep) and the pool's slots [g·C/ep, (g+1)·C/ep): an expert only ever
+goes into its owner's slot range, so each device's shard of the pool arrays holds its
+own experts, and every choice below (start-up fill, victims, passes, pins) is made per
+owner range. The expert → slot table stays one host array (replicated in the step).
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ from typing import Protocol
 
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
-from .tiered import put_experts, take_experts
+from .sharding import EP, TP, host_layout
+from .tiered import POOL_SPECS, put_experts, take_experts
 
 DISK, RAM, DEVICE = 0, 1, 2  # EMAP's 2-bit tier
 
@@ -69,15 +77,23 @@ class LookupStats:
 
 class ExpertPool:
     def __init__(self, reader: ExpertReader, n_layers: int, n_experts: int, slots: int,
-                 ram_capacity: int | None, d: int, f: int, dtype=jnp.float32):
+                 ram_capacity: int | None, d: int, f: int, dtype=jnp.float32, mesh: Mesh | None = None):
         if not 1 <= slots <= n_experts:
             raise ValueError(f"pool slots must be in [1, {n_experts}], got {slots}")
         self.reader, self.R, self.E, self.C = reader, n_layers, n_experts, slots
+        self.mesh = mesh
+        groups = 1 if mesh is None else mesh.shape[EP]
+        if n_experts % groups or slots % groups:
+            raise ValueError(f"on ep={groups} the pool is split into {groups} equal slot ranges, one per "
+                             f"device group's own experts: {slots} slots and {n_experts} experts per layer "
+                             f"must both divide by {groups}")
+        self.groups, self.group_slots, self.group_experts = groups, slots // groups, n_experts // groups
         self.ram_capacity = ram_capacity  # experts over all layers; None: no limit
         self.host_dtype = np.dtype(dtype)
         self.expert_bytes = (d * 2 * f + f * d) * self.host_dtype.itemsize
-        self.pools = [(jnp.zeros((slots, d, 2 * f), dtype), jnp.zeros((slots, f, d), dtype))
-                      for _ in range(n_layers)]
+        where = (None, None) if mesh is None else tuple(NamedSharding(mesh, spec) for spec in POOL_SPECS)
+        self.pools = [(jnp.zeros((slots, d, 2 * f), dtype, device=where[0]),
+                       jnp.zeros((slots, f, d), dtype, device=where[1])) for _ in range(n_layers)]
         self.lut = np.full((n_layers, n_experts), -1, np.int32)  # expert → slot, -1 off device
         self.occupant = np.full((n_layers, slots), -1, np.int32)  # slot → expert, -1 empty
         self.slot_used = np.zeros((n_layers, slots), np.int64)  # step of last use (LRU)
@@ -108,6 +124,14 @@ class ExpertPool:
         device, ram = int((self.lut >= 0).sum()), len(self.ram)
         return device, ram, self.R * self.E - device - ram
 
+    def owner(self, e: int) -> int:
+        """The ep group whose devices hold expert e (0 off a mesh)."""
+        return e // self.group_experts
+
+    def owner_slots(self, g: int) -> range:
+        """The pool slots of ep group g: only its own experts go there."""
+        return range(g * self.group_slots, (g + 1) * self.group_slots)
+
     def take_stats(self) -> LookupStats:
         stats, self.stats = self.stats, LookupStats()
         return stats
@@ -127,25 +151,31 @@ class ExpertPool:
 
     def passes(self, r: int, needed: np.ndarray) -> list[np.ndarray]:
         """Split a layer's unique needed experts into groups that fit the pool, those
-        already on the device first (a step that needs more than C experts runs the
-        layer in several passes). Counts the lookups and hits."""
+        already on the device first (a step that needs more than C experts — on a mesh,
+        more than C/ep of one group's — runs the layer in several passes). Counts the
+        lookups and hits."""
         present = needed[self.lut[r, needed] >= 0]
         missing = needed[self.lut[r, needed] < 0]
         self.stats.lookups += len(needed)
         self.stats.hits += len(present)
         self._score_guess(r, needed)
         order = np.concatenate([present, missing])
-        return [order[i : i + self.C] for i in range(0, len(order), self.C)]
+        # the i-th of an owner's experts goes into pass i // (its slots)
+        owners = order // self.group_experts
+        nth = np.zeros(len(order), np.int64)
+        for g in np.unique(owners):
+            nth[owners == g] = np.arange(int((owners == g).sum()))
+        which = nth // self.group_slots
+        return [order[which == p] for p in range(int(which.max()) + 1)] if len(order) else []
 
     def ensure(self, r: int, group: np.ndarray) -> np.ndarray:
-        """Put every expert of `group` (at most C) in the pool; returns the lookup row
-        (expert → slot). The victims are slots holding none of the group."""
+        """Put every expert of `group` (at most C, C/ep per owner) in the pool; returns
+        the lookup row (expert → slot). The victims are slots holding none of the group."""
         self.slot_used[r, self.lut[r, group][self.lut[r, group] >= 0]] = self.step
         missing = [int(e) for e in group if self.lut[r, e] < 0]
         if missing:
             keep = set(int(e) for e in group)
-            victims = self._victims(r, len(missing), lambda e: e not in keep)
-            self._load(r, list(zip(missing, victims)))
+            self._load(r, self._pair(r, missing, lambda e: e not in keep))
         return self.lut[r]
 
     def prefetch(self, r: int, guess: np.ndarray) -> None:
@@ -157,8 +187,7 @@ class ExpertPool:
         if not missing:
             return
         keep = self.pinned[r] | set(guess.tolist())
-        victims = self._victims(r, len(missing), lambda e: e not in keep, this_step=False)
-        self._load(r, list(zip(missing, victims)))
+        self._load(r, self._pair(r, missing, lambda e: e not in keep, this_step=False))
 
     # ---- between steps: the policy's placement ------------------------------------
 
@@ -168,12 +197,11 @@ class ExpertPool:
         self.rank = np.asarray(placement.rank, np.float64)
         self.pinned = list(placement.pinned)
         for r in range(self.R):
-            want = sorted(placement.pinned[r], key=lambda e: -self.rank[r, e])[: self.C]
+            want = self._pinnable(r, placement.pinned[r])
             missing = [e for e in want if self.lut[r, e] < 0][:max_moves]
             if missing:
                 keep = set(want)
-                victims = self._victims(r, len(missing), lambda e: e not in keep, this_step=False)
-                self._load(r, list(zip(missing, victims)))
+                self._load(r, self._pair(r, missing, lambda e: e not in keep, this_step=False))
             warm = np.fromiter(placement.warm[r], np.int64, len(placement.warm[r]))
             off_device = [int(e) for e in warm[self.lut[r, warm] < 0] if (r, int(e)) not in self.ram]
             for e in sorted(off_device, key=lambda e: -self.rank[r, e])[:max_moves]:
@@ -188,12 +216,15 @@ class ExpertPool:
         index first), and with warm_ram RAM gets the next ones of positive rank, hottest
         first, as far as its budget goes (a restarted engine starts warm)."""
         self.rank = np.asarray(rank, np.float64)
-        order = np.argsort(-self.rank, axis=1, kind="stable")
+        rest = []
         for r in range(self.R):
-            self._load(r, [(int(e), s) for s, e in enumerate(order[r, : self.C])])
+            for g in range(self.groups):  # each owner range from the owner's own experts
+                own = np.arange(g * self.group_experts, (g + 1) * self.group_experts)
+                order = own[np.argsort(-self.rank[r, own], kind="stable")]
+                self._load(r, [(int(e), s) for s, e in zip(self.owner_slots(g), order)])
+                rest += [(self.rank[r, e], r, int(e)) for e in order[self.group_slots :]]
         if not warm_ram:
             return
-        rest = [(self.rank[r, e], r, int(e)) for r in range(self.R) for e in order[r, self.C :]]
         for heat, r, e in sorted(rest, key=lambda x: -x[0]):
             if heat <= 0 or not self._ram_room(r, e):
                 break
@@ -202,15 +233,36 @@ class ExpertPool:
 
     # ---- moves ---------------------------------------------------------------------
 
-    def _victims(self, r: int, n: int, evictable, this_step: bool = True) -> list[int]:
+    def _pinnable(self, r: int, pinned: frozenset[int]) -> list[int]:
+        """The pinned experts the pool holds, hottest first: at most C, and on a mesh at
+        most ceil(pins / ep) per owner, so each owner's range keeps slots that float."""
+        cap = -(-len(pinned) // self.groups) if self.groups > 1 else self.C
+        taken = [0] * self.groups
+        want = []
+        for e in sorted(pinned, key=lambda e: -self.rank[r, e])[: self.C]:
+            if taken[self.owner(e)] < cap:
+                taken[self.owner(e)] += 1
+                want.append(e)
+        return want
+
+    def _pair(self, r: int, experts: list[int], evictable, this_step: bool = True) -> list[tuple[int, int]]:
+        """(expert, slot) for experts to load, each into its owner's range."""
+        pairs = []
+        for g in range(self.groups):
+            mine = [e for e in experts if self.owner(e) == g]
+            if mine:
+                pairs += zip(mine, self._victims(r, len(mine), evictable, this_step, g))
+        return pairs
+
+    def _victims(self, r: int, n: int, evictable, this_step: bool = True, owner: int = 0) -> list[int]:
         """n pool slots for new experts: empty ones first, then unpinned before pinned,
         least recently used, lowest rank. (Recency before heat: with routing as local as
         real routing is, an expert just loaded for this passage is the next one needed;
         heat decides what is pinned. Measured on the benchmark's traces, this order is at
         least as good as plain LRU, ranking by heat first was worse.) Slots used this
-        step are taken only when this_step (a layer that needs more than are free)."""
+        step are taken only when this_step (a layer that needs more than are free). Only slots of the owner's range."""
         slots = []
-        for s in range(self.C):
+        for s in self.owner_slots(owner):
             e = int(self.occupant[r, s])
             if e < 0:
                 slots.append((-1, 0, 0, 0.0, s))
@@ -240,7 +292,7 @@ class ExpertPool:
         n = 1 << (len(pairs) - 1).bit_length()  # a few compiled sizes; repeats are no-ops
         pad = lambda xs: np.stack(xs + [xs[-1]] * (n - len(xs)))  # noqa: E731
         self.pools[r] = put_experts(*self.pools[r], jnp.asarray(pad(slots), jnp.int32),
-                                    pad(gate_up), pad(down))
+                                    pad(gate_up), pad(down), mesh=self.mesh)
         self.stats.load_s += time.perf_counter() - started
 
     def _evict(self, r: int, victims: list[tuple[int, int]]) -> None:
@@ -258,10 +310,11 @@ class ExpertPool:
         if not to_ram:
             return
         gate_up, down = (np.asarray(a) for a in take_experts(
-            *self.pools[r], jnp.asarray([s for _, s in to_ram], jnp.int32)))
+            *self.pools[r], jnp.asarray([s for _, s in to_ram], jnp.int32), mesh=self.mesh))
         for i, (e, _) in enumerate(to_ram):
-            self.ram[(r, e)] = (gate_up[i], down[i])
-            self.stats.moves.append(Move(r, e, DEVICE, RAM))
+            if (r, e) in self.ram:  # else a later victim of this eviction took its room
+                self.ram[(r, e)] = (gate_up[i], down[i])
+                self.stats.moves.append(Move(r, e, DEVICE, RAM))
 
     def _ram_room(self, r: int, e: int) -> bool:
         """Make room in RAM for (r, e) by dropping colder experts to disk; False when
@@ -275,14 +328,16 @@ class ExpertPool:
             coldest = min(self.ram, key=lambda k: (self.rank[k], self.ram_used[k]))
             if (self.rank[coldest], self.ram_used[coldest]) >= (self.rank[r, e], self.step):
                 return False
-            del self.ram[coldest]
-            self.stats.moves.append(Move(*coldest, RAM, DISK))
+            # a None is an expert being evicted from the device this moment (_evict)
+            self.stats.moves.append(Move(*coldest, RAM if self.ram.pop(coldest) is not None else DEVICE, DISK))
         return True
 
     def _read(self, r: int, e: int) -> tuple[np.ndarray, np.ndarray]:
         started = time.perf_counter()
         gu, dn = self.reader.read(r, e)
         gu, dn = np.asarray(gu, self.host_dtype), np.asarray(dn, self.host_dtype)
+        if self.mesh is not None:  # RAM and the pool hold the layout of its tp shards
+            gu = host_layout(None, "experts_gate_up", gu, self.mesh.shape[TP])
         self.stats.read_s += time.perf_counter() - started
         return gu, dn
 

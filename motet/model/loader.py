@@ -21,7 +21,7 @@ from .expert_source import SourceExpertReader
 from .gguf_file import GGUF_MAGIC, GGUFSource, gguf_metadata, open_gguf
 from .model import Model
 from .safetensors_dir import SafetensorsSource
-from .sharding import MeshSpec, model_mesh
+from .sharding import TP, MeshSpec, mesh_axis, model_mesh
 from .tokenizer import Tokenizer
 from .weights import pack_weights
 
@@ -51,7 +51,8 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", max_conte
     """lazy_experts: leave a MoE model's experts in the (mmapped) file, for a tiered
     expert pool to read one at a time; the model then has an `expert_reader`.
     mesh: shard the weights over several devices ("ep=4,tp=2", a MeshSpec or a Mesh with
-    axes (ep, tp); see sharding.py), each leaf read into its shards directly."""
+    axes (ep, tp); see sharding.py), each leaf read into its shards directly; with
+    lazy_experts only the shared weights (the pool is split over ep, not yet over tp)."""
     if dtype not in DTYPES:
         raise UnsupportedModelError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     path = default_model_path() if path is None else Path(path)
@@ -68,9 +69,9 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", max_conte
         cfg = replace(cfg, max_context=max_context)
     lazy = lazy_experts and cfg.is_moe
     if mesh is not None:
-        if lazy:
-            raise ValueError("tiered (lazily loaded) experts do not run on a device mesh yet; "
-                             "load the experts resident or leave out the mesh")
+        if lazy and mesh_axis(mesh, TP) > 1:
+            raise ValueError(f"tiered (lazily loaded) experts run on an ep mesh, not yet with tp > 1 "
+                             f"(mesh {mesh}): load the experts resident or use ep alone")
         mesh = model_mesh(mesh, cfg)
     weights = pack_weights(cfg, source, DTYPES[dtype], experts=not lazy, mesh=mesh)
     log.info("loaded %s (%s, %s%s%s) in %.1f s", path, cfg.arch, dtype,

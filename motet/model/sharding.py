@@ -145,6 +145,11 @@ def mesh_of(weights: dict) -> Mesh | None:
     return None
 
 
+def mesh_axis(mesh: MeshSpec | str | Mesh, axis: str) -> int:
+    """The size of an axis of a mesh given as a spec, a string or a Mesh."""
+    return mesh.shape[axis] if isinstance(mesh, Mesh) else getattr(MeshSpec.of(mesh), axis)
+
+
 def axis_size(mesh: Mesh | None, axis: str) -> int:
     return 1 if mesh is None else mesh.shape[axis]
 

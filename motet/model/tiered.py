@@ -23,8 +23,11 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import Mesh, PartitionSpec as P
+
 from .forward import attend_chunk, attend_rows, embed, lm_head, qkv, rms_norm
-from .moe import dense_ffn, experts_grouped, experts_ragged, group_block, route
+from .moe import dense_ffn, experts_grouped, experts_ragged, group_block, local_experts, route
+from .sharding import EP, LEAF_SPECS, TP
 
 EXPERT_KEYS = ("experts_gate_up", "experts_down")
 
@@ -83,42 +86,97 @@ def layer_chunk(cfg, layer, nxt, x, k_cache, v_cache, slot, offset, *, with_hist
     return (*_after_attention(cfg, layer, x, out, nxt), k.transpose(1, 2, 0), v.transpose(1, 0, 2))
 
 
-@partial(jax.jit, static_argnames=("impl",))
-def moe_over_pool(x, h, w, mask, slot_ids, pool_gate_up, pool_down, *, impl):
+# A pool on an ep mesh: slots split along ep in equal ranges (device group g holds slots
+# [g·c/ep, (g+1)·c/ep), for its own experts only), each expert's width along tp.
+POOL_SPECS = (LEAF_SPECS["experts_gate_up"], LEAF_SPECS["experts_down"])
+
+
+@partial(jax.jit, static_argnames=("impl", "mesh"))
+def moe_over_pool(x, h, w, mask, slot_ids, pool_gate_up, pool_down, *, impl, mesh: Mesh | None = None):
     """x + the MoE output, the experts read from the pool by slot ids [t, k]. Only the
     assignments where mask [t, k] is 1 count: padding rows, and in a layer run in several
-    passes the experts of the other passes, are masked out."""
-    w = w * mask
+    passes the experts of the other passes, are masked out. mesh: the pool is split over
+    it (POOL_SPECS); each device runs the assignments whose slot is its own, a psum adds
+    the shares (as moe.moe_ffn on a mesh)."""
+    if mesh is None:
+        return x + _pool_experts(h, w * mask, slot_ids, pool_gate_up, pool_down, impl, sharded=False)
+
+    def body(x, h, w, mask, slot_ids, gate_up, down):
+        local_w, local_ids = local_experts(w * mask, slot_ids, gate_up.shape[0])
+        y = _pool_experts(h, local_w, local_ids, gate_up, down, impl, sharded=True)
+        return x + jax.lax.psum(y, (EP, TP))
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 5 + POOL_SPECS, out_specs=P(),
+                         check_vma=False)(x, h, w, mask, slot_ids, pool_gate_up, pool_down)
+
+
+def _pool_experts(h, w, slot_ids, gate_up, down, impl, sharded):
     if impl == "ragged":
-        return x + experts_ragged(h, w, slot_ids, pool_gate_up, pool_down)
-    block = group_block(slot_ids.size, pool_gate_up.shape[0])
-    return x + experts_grouped(h, w, slot_ids, pool_gate_up, pool_down, block)
+        return experts_ragged(h, w, slot_ids, gate_up, down, elsewhere=sharded)
+    block = group_block(slot_ids.size, gate_up.shape[0])
+    return experts_grouped(h, w, slot_ids, gate_up, down, block, elsewhere=sharded)
 
 
-@partial(jax.jit, donate_argnums=(0, 1))
-def put_experts(pool_gate_up, pool_down, slots, gate_up, down):
+@partial(jax.jit, static_argnames=("mesh",), donate_argnums=(0, 1))
+def put_experts(pool_gate_up, pool_down, slots, gate_up, down, *, mesh: Mesh | None = None):
     """Write experts gate_up [n, d, 2f], down [n, f, d] into pool slots [n] (in place).
-    A loop of dynamic_update_slice: a scatter would copy the pool on XLA:CPU."""
+    A loop of dynamic_update_slice: a scatter would copy the pool on XLA:CPU. mesh: the
+    pool is split over it (POOL_SPECS); each device writes the slots of its own range."""
+    if mesh is None:
+        return _put(pool_gate_up, pool_down, slots, gate_up, down)
+
+    def body(pool_gate_up, pool_down, slots, gate_up, down):
+        local = slots - jax.lax.axis_index(EP) * pool_gate_up.shape[0]
+        return _put(pool_gate_up, pool_down, local, gate_up, down)
+
+    specs = (*POOL_SPECS, P(), P(None, None, TP), P(None, TP, None))
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=POOL_SPECS, check_vma=False)(
+        pool_gate_up, pool_down, slots, gate_up, down)
+
+
+def _put(pool_gate_up, pool_down, slots, gate_up, down):
+    """slots: local indices; one outside [0, c) is another device's (left as it is)."""
+    c = pool_gate_up.shape[0]
+
+    def write(pool, new, s):
+        at = jnp.clip(s, 0, c - 1)
+        old = jax.lax.dynamic_slice(pool, (at, 0, 0), (1, *pool.shape[1:]))
+        here = (s >= 0) & (s < c)
+        return jax.lax.dynamic_update_slice(pool, jnp.where(here, new[None], old), (at, 0, 0))
 
     def one(i, pools):
         gu, dn = pools
-        gu = jax.lax.dynamic_update_slice(gu, gate_up[i][None], (slots[i], 0, 0))
-        dn = jax.lax.dynamic_update_slice(dn, down[i][None], (slots[i], 0, 0))
-        return gu, dn
+        return write(gu, gate_up[i], slots[i]), write(dn, down[i], slots[i])
 
     return jax.lax.fori_loop(0, slots.shape[0], one, (pool_gate_up, pool_down))
 
 
-@jax.jit
-def take_experts(pool_gate_up, pool_down, slots):
+@partial(jax.jit, static_argnames=("mesh",))
+def take_experts(pool_gate_up, pool_down, slots, *, mesh: Mesh | None = None):
     """Copies of the experts in pool slots [n] (an eviction back to host RAM), sliced
-    one by one: a gather would copy the whole pool first on XLA:CPU."""
-    n, (_, d, f2) = slots.shape[0], pool_gate_up.shape
+    one by one: a gather would copy the whole pool first on XLA:CPU. mesh: each device
+    copies the slots of its own range (zeros for the others), a psum over ep adds them."""
+    if mesh is None:
+        return _take(pool_gate_up, pool_down, slots)
+
+    def body(pool_gate_up, pool_down, slots):
+        local = slots - jax.lax.axis_index(EP) * pool_gate_up.shape[0]
+        return tuple(jax.lax.psum(a, EP) for a in _take(pool_gate_up, pool_down, local))
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(*POOL_SPECS, P()),
+                         out_specs=(P(None, None, TP), P(None, TP, None)), check_vma=False)(
+        pool_gate_up, pool_down, slots)
+
+
+def _take(pool_gate_up, pool_down, slots):
+    """slots: local indices; one outside [0, c) is another device's (copied as zeros)."""
+    n, (c, d, f2) = slots.shape[0], pool_gate_up.shape
 
     def one(i, out):
         gu, dn = out
-        gu = gu.at[i].set(jax.lax.dynamic_slice(pool_gate_up, (slots[i], 0, 0), (1, d, f2))[0])
-        dn = dn.at[i].set(jax.lax.dynamic_slice(pool_down, (slots[i], 0, 0), (1, f2 // 2, d))[0])
+        at, here = jnp.clip(slots[i], 0, c - 1), (slots[i] >= 0) & (slots[i] < c)
+        gu = gu.at[i].set(jnp.where(here, jax.lax.dynamic_slice(pool_gate_up, (at, 0, 0), (1, d, f2))[0], 0))
+        dn = dn.at[i].set(jnp.where(here, jax.lax.dynamic_slice(pool_down, (at, 0, 0), (1, f2 // 2, d))[0], 0))
         return gu, dn
 
     init = (jnp.zeros((n, d, f2), pool_gate_up.dtype), jnp.zeros((n, f2 // 2, d), pool_down.dtype))

@@ -13,6 +13,13 @@ Two ways to run a step:
   the device. The step only returns K/V rows, so if an expert turns out to be missing
   nothing is written: the step is thrown away and run layer by layer. A pool that holds
   what the routing wants so runs at the speed of resident experts.
+
+On an ep mesh (the model's shared weights placed on it, the pool split along ep with
+each device group's slots holding its own experts, expert_pool.py) both ways run
+there: the one-jit step is forward.py's shard_map, where each device keeps the routed
+experts whose slot is in its range; the layer pieces run replicated, and a layer's MoE
+over the pool is a shard_map of the same kind. Not yet on tp (the layer pieces do not
+split the attention).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .errors import ContextLengthError
 from .expert_pool import ExpertPool
@@ -29,6 +37,7 @@ from .forward import decode, prefill, write_chunk, write_rows
 from .generate import padded_rows
 from .kv import KVGeometry, bucket
 from .model import Model
+from .sharding import TP, mesh_of
 from .tiered import (
     embed_tokens, head, layer_chunk, layer_rows, moe_over_pool, shared_weights, top_weights,
 )
@@ -39,6 +48,12 @@ class TieredModel:
                  optimistic: bool = True):
         cfg = self.cfg = model.config
         self.pool, self.prefetch, self.allow_optimistic = pool, prefetch, optimistic
+        self.mesh = mesh_of(model.weights)
+        if self.mesh != pool.mesh:
+            raise ValueError("the expert pool must be on the mesh the model's weights are on")
+        if self.mesh is not None and self.mesh.shape[TP] > 1:
+            raise ValueError(f"tiered experts run on an ep mesh, not yet with tp > 1 (mesh "
+                             f"{dict(self.mesh.shape)}): use ep alone or keep the experts resident")
         if moe_impl == "auto":
             moe_impl = "grouped" if jax.default_backend() == "cpu" else "ragged"
         self.impl = moe_impl
@@ -128,7 +143,8 @@ class TieredModel:
         """The model's weights with each MoE layer reading its pool through its table."""
         version, tables = self._luts
         if version != self.pool.version:
-            tables = [jnp.asarray(row) for row in self.pool.lut]
+            where = None if self.mesh is None else NamedSharding(self.mesh, P())  # replicated
+            tables = [jax.device_put(row, where) for row in self.pool.lut]
             self._luts = (self.pool.version, tables)
         layers = list(self.layers)
         for i, r in self.moe_index.items():
@@ -171,13 +187,13 @@ class TieredModel:
             self.pool.all_present(r, needed)
             mask = np.broadcast_to(real[:, None], ids.shape)
             return moe_over_pool(x, h, w, mask.astype(np.float32), np.where(mask, slots, 0).astype(np.int32),
-                                 *self.pool.pools[r], impl=self.impl)
+                                 *self.pool.pools[r], impl=self.impl, mesh=self.mesh)
         for group in self.pool.passes(r, needed):
             lut = self.pool.ensure(r, group)
             in_pass = real[:, None] & np.isin(ids, group)
             slot_ids = np.where(in_pass, lut[ids], 0).astype(np.int32)
             x = moe_over_pool(x, h, w, in_pass.astype(np.float32), slot_ids, *self.pool.pools[r],
-                              impl=self.impl)
+                              impl=self.impl, mesh=self.mesh)
         return x
 
 
