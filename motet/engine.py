@@ -19,6 +19,7 @@ from pathlib import Path
 
 import trio
 
+from . import sessions
 from .actors.expert_cache import ExpertCache, HeatFile, SaveHeat
 from .actors.expert_policy import ExpertPlan, ExpertPolicy, PolicySettings, default_heat_path, plan_experts
 from .actors.kv_slot import KVSlot
@@ -29,9 +30,7 @@ from .model.model import Model
 from .model.sharding import MeshSpec
 from .model.tiered import shared_weight_bytes
 from .runtime.actor import open_reply, open_stream
-from . import sessions
 from .runtime.api import (
-    Completion,
     EngineStatistics,
     ExpertState,
     ExpertTiers,
@@ -42,8 +41,9 @@ from .runtime.api import (
     Telemetry,
     TokenEvent,
 )
+from .runtime.collect import Collected, read_prompt
 from .runtime.config import ExpertSettings
-from .runtime.errors import BadRequest, Cancelled, EngineClosed, EngineError, NotFound
+from .runtime.errors import BadRequest, EngineClosed, EngineError, NotFound
 from .runtime.experts import HITS_EVERY, ExpertMap, turn_entropy
 from .runtime.service import Service
 
@@ -75,7 +75,7 @@ class EventStream:
         return event
 
 
-class Engine(Service):
+class Engine(Service, Collected):
     def __init__(
         self,
         model: Model | str | Path | None = None,
@@ -292,29 +292,8 @@ class Engine(Service):
                         except EngineClosed:
                             pass
 
-    async def complete(self, prompt, **kwargs) -> Completion:
-        """The same as stream(), collected. A request cancelled meanwhile raises Cancelled."""
-        async with self.stream(prompt, **kwargs) as events:
-            texts, tokens = [], []
-            async for event in events:
-                if isinstance(event, TokenEvent):
-                    texts.append(event.text)
-                    tokens.append(event)
-                else:
-                    texts.append(event.text_tail)
-        stats = events.finish.stats
-        if stats.finish_reason == "cancelled":
-            raise Cancelled(events.request_id)
-        return Completion("".join(texts), tuple(t.token_id for t in tokens), stats, tuple(tokens))
-
     def render_chat(self, messages: list[dict]) -> str:
         return self.model.render_chat(messages, add_generation_prompt=True)
-
-    async def chat(self, messages: list[dict], **kwargs) -> Completion:
-        return await self.complete(self.render_chat(messages), **kwargs)
-
-    def stream_chat(self, messages: list[dict], **kwargs):
-        return self.stream(self.render_chat(messages), **kwargs)
 
     async def cancel(self, request_id: int) -> None:
         """Cancel a request in flight; NotFound when there is none with this id."""
@@ -358,13 +337,7 @@ class Engine(Service):
         """Read a prompt up to its last token (n - 1 tokens into the slot's KV, where a
         request continuing it resumes) without generating; its TurnStats (finish reason
         "prefilled")."""
-        async with self.stream(prompt, max_tokens=1, slot=slot, request_id=request_id,
-                               prefill_only=True) as events:
-            async for _ in events:
-                pass
-        if events.finish.stats.finish_reason == "cancelled":
-            raise Cancelled(events.request_id)
-        return events.finish.stats
+        return await read_prompt(self, prompt, slot=slot, request_id=request_id)
 
     def expert_state(self) -> ExpertState:
         """The expert map now: heat per (MoE layer, expert), the experts routed in the

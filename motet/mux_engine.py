@@ -41,10 +41,10 @@ from .actors.policy import SlotView, choose_slot
 from .mux_stream import EngineExited, EngineStartError, MuxStream, engine_error
 from .protocol import mux
 from .protocol.session_file import SessionError
-from .runtime.api import (Completion, EngineStatistics, ExpertState, GenerationRequest, Perf, SlotFile,
-                          TokenEvent, TurnStats)
-from .runtime.errors import (BadRequest, Cancelled, DuplicateId, EmptyPrompt, EngineClosed, EngineError,
-                             NotFound, QueueFull)
+from .runtime.api import EngineStatistics, ExpertState, GenerationRequest, Perf, SlotFile, TurnStats
+from .runtime.collect import Collected, read_prompt
+from .runtime.errors import (BadRequest, DuplicateId, EmptyPrompt, EngineClosed, EngineError, NotFound,
+                             QueueFull)
 from .runtime.service import Service
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class SlotCommand:
     answer: object = None  # the child's reply event, or an EngineClosed when it is gone
 
 
-class MuxEngine(Service):
+class MuxEngine(Service, Collected):
     """`command` (a string is split as a shell would) runs with `env` over the caller's
     environment and SERVE=1 SERVE_BATCH=1 SERVE_TOPK=1 KV_SLOTS=kv_slots. `chat_model`:
     whose chat template render_chat uses (default: SNAP, else the default model)."""
@@ -348,15 +348,6 @@ class MuxEngine(Service):
             if not events.ended.is_set():  # left early (a break, a cancel): cancel it
                 self._cancel(events)
 
-    async def complete(self, prompt, **kwargs) -> Completion:
-        """The same as stream(), collected. A request cancelled meanwhile raises Cancelled."""
-        async with self.stream(prompt, **kwargs) as events:
-            tokens = [e async for e in events if isinstance(e, TokenEvent)]
-        if events.finish.stats.finish_reason == "cancelled":
-            raise Cancelled(events.request_id)
-        text = "".join(t.text for t in tokens) + events.finish.text_tail
-        return Completion(text, (), events.finish.stats, tuple(tokens))  # no ids on the wire
-
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.kv_slots:
             raise BadRequest(f"slot must be in [0, {self.kv_slots - 1}], got {slot}")
@@ -383,13 +374,7 @@ class MuxEngine(Service):
     async def prefill(self, prompt, *, slot: int | None = None, request_id: int | None = None) -> TurnStats:
         """As Engine.prefill: read a prompt up to its last token into a slot (PREFILL), no
         generation; its TurnStats (finish reason "prefilled", nothing emitted)."""
-        async with self.stream(prompt, max_tokens=1, slot=slot, request_id=request_id,
-                               prefill_only=True) as events:
-            async for _ in events:
-                pass
-        if events.finish.stats.finish_reason == "cancelled":
-            raise Cancelled(events.request_id)
-        return events.finish.stats
+        return await read_prompt(self, prompt, slot=slot, request_id=request_id)
 
     async def save_slot(self, slot: int, path: str | Path) -> SlotFile:
         """As Engine.save_slot (SAVE): the path is the child's, as it sees the file system."""
@@ -448,12 +433,6 @@ class MuxEngine(Service):
         running = sum(s.slot is not None for s in self._streams.values())
         closing = self._closing or self._exited.is_set()
         return EngineStatistics(running, len(self._queue), self.kv_slots, closing)
-
-    async def chat(self, messages: list[dict], **kwargs) -> Completion:
-        return await self.complete(self.render_chat(messages), **kwargs)
-
-    def stream_chat(self, messages: list[dict], **kwargs):
-        return self.stream(self.render_chat(messages), **kwargs)
 
     async def cancel(self, request_id: int) -> None:
         """Cancel a request; returns once it has ended. NotFound when none has this id."""

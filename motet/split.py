@@ -40,7 +40,8 @@ from pathlib import Path
 
 import trio
 
-from .runtime.api import Completion, EngineStatistics, ExpertState, TokenEvent
+from .runtime.api import EngineStatistics, ExpertState, TokenEvent
+from .runtime.collect import Collected
 from .runtime.errors import Cancelled, DuplicateId, EngineClosed, NotFound
 from .runtime.service import Service
 from .split_settings import RoleArgs, SplitSettings
@@ -200,7 +201,7 @@ class _Counts:
     last: Handover | None = None
 
 
-class SplitEngine(Service):
+class SplitEngine(Service, Collected):
     """The engine API over a prefill engine and a decode engine. `open_prefill()` and
     `open_decode()` each return a new engine (an async context manager: a MuxEngine, or
     an in-process Engine) with `prefill`, `save_slot`, `restore_slot` and `stream`; an
@@ -499,22 +500,6 @@ class SplitEngine(Service):
         if isinstance(prompt, str):  # a mux engine gives text only
             return self.encode(prompt + "".join(t.text for t in tokens))
         return tuple(ids)
-
-    async def complete(self, prompt, **kwargs) -> Completion:
-        """The same as stream(), collected. A request cancelled meanwhile raises Cancelled."""
-        async with self.stream(prompt, **kwargs) as events:
-            tokens = [e async for e in events if isinstance(e, TokenEvent)]
-        if events.finish.stats.finish_reason == "cancelled":
-            raise Cancelled(events.request_id)
-        text = "".join(t.text for t in tokens) + events.finish.text_tail
-        ids = tuple(t.token_id for t in tokens) if all(t.token_id is not None for t in tokens) else ()
-        return Completion(text, ids, events.finish.stats, tuple(tokens))
-
-    async def chat(self, messages: list[dict], **kwargs) -> Completion:
-        return await self.complete(self.render_chat(messages), **kwargs)
-
-    def stream_chat(self, messages: list[dict], **kwargs):
-        return self.stream(self.render_chat(messages), **kwargs)
 
     async def cancel(self, request_id: int) -> None:
         """Cancel a request; during its handover the stream raises Cancelled at entry."""

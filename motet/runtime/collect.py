@@ -1,0 +1,42 @@
+"""What every engine offers on top of its own `stream()` and `render_chat()`: the answer
+collected (`complete`, `chat`), a chat streamed (`stream_chat`), and a prompt read
+without an answer (`read_prompt`, behind each engine's `prefill`). One copy for the
+in-process Engine, MuxEngine and SplitEngine alike."""
+
+from __future__ import annotations
+
+from .api import Completion, TokenEvent, TurnStats
+from .errors import Cancelled
+
+
+class Collected:
+    async def complete(self, prompt, **kwargs) -> Completion:
+        """The same as stream(), collected. A request cancelled meanwhile raises Cancelled.
+        Token ids are there when the engine reports them (not over the mux wire)."""
+        async with self.stream(prompt, **kwargs) as events:
+            tokens = [e async for e in events if isinstance(e, TokenEvent)]
+        stats = events.finish.stats
+        if stats.finish_reason == "cancelled":
+            raise Cancelled(events.request_id)
+        text = "".join(t.text for t in tokens) + events.finish.text_tail
+        ids = tuple(t.token_id for t in tokens) if all(t.token_id is not None for t in tokens) else ()
+        return Completion(text, ids, stats, tuple(tokens))
+
+    async def chat(self, messages: list[dict], **kwargs) -> Completion:
+        return await self.complete(self.render_chat(messages), **kwargs)
+
+    def stream_chat(self, messages: list[dict], **kwargs):
+        return self.stream(self.render_chat(messages), **kwargs)
+
+
+async def read_prompt(engine, prompt, *, slot: int | None, request_id: int | None) -> TurnStats:
+    """A prefill-only request: the prompt up to its last token into a slot's KV (where a
+    request continuing it resumes), nothing generated; its TurnStats (finish reason
+    "prefilled")."""
+    async with engine.stream(prompt, max_tokens=1, slot=slot, request_id=request_id,
+                             prefill_only=True) as events:
+        async for _ in events:
+            pass
+    if events.finish.stats.finish_reason == "cancelled":
+        raise Cancelled(events.request_id)
+    return events.finish.stats
