@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from .actors.expert_policy import ExpertPlan, ExpertPolicy, PolicySettings, defa
 from .actors.kv_slot import KVSlot
 from .actors.runner import ModelRunner
 from .actors.scheduler import Cancel, Drain, Scheduler, StopNow, Submit, Subscribe
+from .actors.warmup import WarmupPlan
+from .model.compilation import CompileCount, CompileCounter, current_compile_cache, use_compile_cache
 from .model.kv import KVGeometry
 from .model.model import Model
 from .model.sharding import MeshSpec
@@ -37,12 +40,13 @@ from .runtime.api import (
     FinishEvent,
     GenerationRequest,
     SlotFile,
+    StartupReport,
     StepRouting,
     Telemetry,
     TokenEvent,
 )
 from .runtime.collect import Collected, read_prompt
-from .runtime.config import ExpertSettings
+from .runtime.config import DEFAULT_COMPILE_CACHE, ExpertSettings
 from .runtime.errors import BadRequest, EngineClosed, EngineError, NotFound
 from .runtime.experts import HITS_EVERY, ExpertMap, turn_entropy
 from .runtime.service import Service
@@ -50,6 +54,11 @@ from .runtime.service import Service
 log = logging.getLogger(__name__)
 
 MAX_SLOTS = 16
+PREFILL_CHUNK = 256  # tokens a prefill step reads at most (running decodes get a step between chunks)
+
+
+def _log_progress(started: float, what: str, done: int, total: int) -> None:
+    log.info("warm-up: %s (%d of %d, %.1f s)", what, done, total, time.monotonic() - started)
 
 
 class EventStream:
@@ -83,17 +92,23 @@ class Engine(Service, Collected):
         kv_slots: int = MAX_SLOTS,
         max_context: int = 4096,
         dtype: str = "float32",
-        prefill_chunk: int = 256,
+        prefill_chunk: int = PREFILL_CHUNK,
         queue_limit: int = 64,
         experts: ExpertSettings | None = None,
         mesh: MeshSpec | str | None = None,
         mirror: Callable[[bytes], None] | None = None,
+        compile_cache: Path | str | None = "auto",
+        warm_up: bool = True,
     ):
         """experts: where a MoE model's experts live (default: all on the device unless
         a budget says otherwise; see ExpertSettings). mesh: shard the model over several
         devices of this process, e.g. "ep=2,tp=2" (docs/scaling.md); experts stay resident.
         mirror: on process 0 of a group, where the runner sends its device calls for the
-        other processes (runtime/distributed.py Group.send; docs/scaling.md)."""
+        other processes (runtime/distributed.py Group.send; docs/scaling.md).
+        compile_cache: JAX's persistent compilation cache — "auto": the folder this
+        program gave JAX, else ~/.cache/motet/jax; a folder; None: none set here.
+        warm_up: compile and run every shape before the engine is ready (the default;
+        False starts sooner and compiles on first use, while requests wait)."""
         if not 1 <= kv_slots <= MAX_SLOTS:
             raise ValueError(f"kv_slots must be in [1, {MAX_SLOTS}], got {kv_slots}")
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
@@ -107,6 +122,11 @@ class Engine(Service, Collected):
         self.expert_settings = experts or ExpertSettings()
         self.mesh = None if mesh is None else MeshSpec.of(mesh)
         self._mirror = mirror
+        self.compile_cache = compile_cache
+        self.warm_up = warm_up
+        self._compiles: CompileCounter | None = None
+        self._startup: StartupReport | None = None
+        self._ready_count = CompileCount()
         self.expert_plan: ExpertPlan | None = None
         self.heat_file: HeatFile | None = None
         self._expert_cache: ExpertCache | None = None
@@ -123,7 +143,21 @@ class Engine(Service, Collected):
     # ---- life cycle -----------------------------------------------------------------
 
     async def start(self, nursery: trio.Nursery) -> None:
-        """Load the model and start the actors in `nursery`; returns once all are ready."""
+        """Load the model, compile every shape it will run, and start the actors in
+        `nursery`; returns once all are ready."""
+        started = time.monotonic()
+        cache = self.compile_cache
+        if cache == "auto":
+            cache = current_compile_cache() or DEFAULT_COMPILE_CACHE
+        cache_dir = use_compile_cache(cache)
+        self._compiles = CompileCounter().start()  # stopped in _closed_now
+        try:
+            await self._start(nursery, started, cache_dir)
+        except BaseException:
+            self._compiles.stop()
+            raise
+
+    async def _start(self, nursery: trio.Nursery, started: float, cache_dir: Path | None) -> None:
         self.model = await trio.to_thread.run_sync(self._load)
         context = min(self.max_context, self.model.config.max_context)
         geo = KVGeometry(n_slots=self.kv_slots, max_context=context, chunk=self.prefill_chunk)
@@ -133,6 +167,11 @@ class Engine(Service, Collected):
                     prefetch=self.expert_settings.prefetch, rank=policy.rank() if policy else None,
                     mesh=self.mesh, mirror=self._mirror)
         )
+        loaded = time.monotonic()
+        plan = self.warmup_plan(geo)
+        if self.warm_up:
+            await trio.to_thread.run_sync(runner.warm_up, plan, partial(_log_progress, started))
+        warmed = time.monotonic()
         if policy is not None:
             self._expert_cache = ExpertCache(policy, tiered=self.expert_plan.mode == "tiered",
                                              heat_file=self.heat_file)
@@ -147,6 +186,15 @@ class Engine(Service, Collected):
         await nursery.start(self._watch_experts)
         self._nursery = nursery
         self.session_header = sessions.session_header(self.model, context)
+        self._ready_count = self._compiles.now()
+        self._startup = StartupReport(
+            ready_s=time.monotonic() - started, load_s=loaded - started, warmup_s=warmed - loaded,
+            shapes=len(plan.shapes) if self.warm_up else 0, compiled=self._ready_count.compiled,
+            from_cache=self._ready_count.from_cache, cache_dir=None if cache_dir is None else str(cache_dir),
+        )
+        log.info("ready in %.1f s (model %.1f s; %d shapes in %.1f s: %d executables compiled, %d from the "
+                 "cache)", self._startup.ready_s, self._startup.load_s, self._startup.shapes,
+                 self._startup.warmup_s, self._startup.compiled, self._startup.from_cache)
 
     async def _watch_experts(self, *, task_status=trio.TASK_STATUS_IGNORED):
         channel = await self.telemetry(buffer=1024)
@@ -160,6 +208,19 @@ class Engine(Service, Collected):
                     self._experts.take_hits()
             elif isinstance(event, Telemetry):
                 self._experts.end_turn(turn_entropy(event.expert_counts, self._experts.rows))
+
+    def warmup_plan(self, geo: KVGeometry) -> WarmupPlan:
+        """The shapes this engine compiles before it is ready (once its model is known)."""
+        tiered = self.expert_plan is not None and self.expert_plan.mode == "tiered"
+        return WarmupPlan.of(geo, self.expert_plan.pool_slots if tiered else None)
+
+    def startup(self) -> StartupReport | None:
+        """How this engine started (None before it is ready), with the executables
+        compiled since it became ready: 0 unless some shape was missed."""
+        if self._startup is None:
+            return None
+        since = self._compiles.now() - self._ready_count if self._compiles is not None else CompileCount()
+        return replace(self._startup, compiles_after_ready=since.requests)
 
     def _load(self) -> Model:
         if isinstance(self._model_arg, Model):
@@ -205,6 +266,8 @@ class Engine(Service, Collected):
 
     def _closed_now(self) -> None:
         self._closed = True
+        if self._compiles is not None:
+            self._compiles.stop()
 
     async def drain(self) -> None:
         """Refuse new requests and wait until every request in flight has finished."""

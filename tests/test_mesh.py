@@ -58,6 +58,7 @@ def test_engine_on_a_mesh_matches_one_device():
     r = mesh_check("engine")
     one, mesh = r["one_device"], r["mesh"]
     assert mesh == one
+    assert mesh["compiles_after_ready"] == 0  # every sharded shape was compiled before ready
     assert mesh["reused"] == mesh["reusable"] > 0
     assert mesh["third_reused"] > mesh["reusable"]
     assert all(len(tokens) == 5 for tokens in mesh["first"])
@@ -77,6 +78,7 @@ def test_tiered_experts_on_ep_meshes_match_resident_on_one_device():
         assert r["misses"] > 0 and r["counts"], case  # the pool was too small: experts moved
         if r["how"] == "engine":
             assert r["mode"] == "tiered" and r["slots"] == 4, case
+            assert r["compiles_after_ready"] == 0, case  # tiered on the mesh: warm at start too
             continue
         assert r["in_owner_range"] and r["shards_hold_own"], case
         assert r["slots_per_device"] == [r["slots"] // int(r["layout"][3:])], case

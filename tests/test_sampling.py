@@ -19,14 +19,14 @@ def keys(*seeds: int) -> jax.Array:
     return jnp.stack([request_key(s) for s in seeds])
 
 
-def run(logits, temperature, top_p, key, n_top=0):
+def run(logits, temperature, top_p, key, want_top=False):
     b = len(logits)
     return sample(
         jnp.asarray(logits),
         jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,)),
         jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (b,)),
         key,
-        n_top=n_top,
+        want_top,
     )
 
 
@@ -87,7 +87,7 @@ def test_top_p_samples_only_from_the_nucleus():
 
 def test_top_candidates_are_the_best_logprobs_sorted():
     logits = rows(2, seed=4)
-    _, _, _, top_ids, top_lp = run(logits, 0.7, 1.0, keys(0, 1), n_top=5)
+    _, _, _, top_ids, top_lp = run(logits, 0.7, 1.0, keys(0, 1), want_top=True)
     top_ids, top_lp = np.asarray(top_ids), np.asarray(top_lp)
     assert top_ids.shape == top_lp.shape == (2, 5)
     logprobs = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
@@ -98,8 +98,10 @@ def test_top_candidates_are_the_best_logprobs_sorted():
 
 
 def test_no_top_candidates_by_default():
+    """Not asked for, they are zeros of the same shape: one compiled sampler either way."""
     _, _, _, top_ids, top_lp = run(rows(2), 0.0, 1.0, keys(0, 1))
-    assert np.asarray(top_ids).shape == np.asarray(top_lp).shape == (2, 0)
+    assert np.asarray(top_ids).shape == np.asarray(top_lp).shape == (2, 5)
+    assert not np.asarray(top_ids).any() and not np.asarray(top_lp).any()
 
 
 def test_top_p_zero_keeps_the_top_token():

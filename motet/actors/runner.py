@@ -8,14 +8,16 @@ import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from ..model.compilation import compile_workers, compiling_ahead
 from ..model.expert_pool import DEVICE, ExpertPool, Placement
 from ..model.expert_source import ArrayExpertReader
-from ..model.generate import decode_step, model_kv_sharding, prefill_slot
+from ..model.forward import ATTN_BLOCK, lower_decode, lower_prefill
+from ..model.generate import decode_padded, model_kv_sharding, prefill_slot
 from ..model.kv import KVGeometry, init_kv, read_slot_layer, write_slot_layer
 from ..model.model import Model
 from ..model.sampling import request_key, sample
@@ -25,12 +27,11 @@ from ..model.tiered_model import TieredModel
 from ..protocol.mirror import Op, encode
 from ..runtime.api import ExpertTiers
 from .expert_policy import ExpertPlan
+from .warmup import DECODE, EXPERT_MOVE, PREFILL, SLOT_WIDTH, WarmShape, WarmupPlan
 
 # Loads one placement may start per layer between two steps: re-pinning catches up over
 # a few steps instead of stalling one.
 MAX_MOVES_PER_PLACEMENT = 4
-
-TOP_CANDIDATES = 5
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ class SamplingRow:
     top_p: float
     key: np.ndarray  # uint32[2]
     want_top: bool
+
+
+# What a padding row of a batch samples (greedy; the result is dropped).
+FILLER_ROW = SamplingRow(0.0, 1.0, np.zeros(2, np.uint32), False)
 
 
 # The records a mirror frame may carry (protocol/mirror.py).
@@ -173,23 +178,23 @@ class ModelRunner:
         samples its next token."""
         self._mirror(Op.DECODE, tokens, slots, positions, rows)
         if self.tiered is not None:
-            logits, self.kv, experts = self.tiered.decode_step(self.kv, self.geo, tokens, slots, positions)
+            logits, self.kv, experts = self.tiered.decode_padded(self.kv, self.geo, tokens, slots, positions)
         else:
-            logits, self.kv, experts = decode_step(
-                self.model, self.kv, self.geo, tokens, slots, positions, with_routing=True
-            )
+            logits, self.kv, experts = decode_padded(self.model, self.kv, self.geo, tokens, slots, positions)
         return self._sample(logits, rows, experts.transpose(1, 0, 2))
 
     def _sample(self, logits, rows: list[SamplingRow], experts: np.ndarray) -> list[Sampled]:
-        """experts: per row, the routing of what it fed in, [rows, MoE layers, ...]."""
+        """logits [bucket, vocab]: the rows, then padding rows (sampled greedily, dropped:
+        one compiled sampler per batch bucket, not per number of rows). experts: per
+        row, the routing of what it fed in, [rows, MoE layers, ...]."""
         t = time.perf_counter()
-        n_top = TOP_CANDIDATES if any(r.want_top for r in rows) else 0
+        padded = rows + [FILLER_ROW] * (logits.shape[0] - len(rows))
         tokens, logprobs, keys, top_ids, top_lp = sample(
             logits,
-            jnp.asarray([r.temperature for r in rows], jnp.float32),
-            jnp.asarray([r.top_p for r in rows], jnp.float32),
-            jnp.asarray(np.stack([r.key for r in rows])),
-            n_top=n_top,
+            np.asarray([r.temperature for r in padded], np.float32),
+            np.asarray([r.top_p for r in padded], np.float32),
+            np.stack([r.key for r in padded]).astype(np.uint32),
+            any(r.want_top for r in rows),
         )
         tokens, logprobs, keys, top_ids, top_lp = (
             np.asarray(a) for a in (tokens, logprobs, keys, top_ids, top_lp)
@@ -205,6 +210,72 @@ class ModelRunner:
             )
             for i, r in enumerate(rows)
         ]
+
+    # ---- warm-up: every shape compiled before the engine is ready ------------------------
+
+    def warm_up(self, plan: WarmupPlan, progress: Callable[[str, int, int], None]) -> None:
+        """Compile every shape of `plan` and run each once on the scratch slot (whose KV
+        only ever holds padding rows), so no request waits on a compiler or on a first
+        run. The big steps are traced one by one and compiled in threads, each shape
+        run as soon as its steps are compiled (not on a group's leader: there every
+        call is mirrored, and the followers compile as they repeat them).
+        progress(what, done, total) after each compile and each run."""
+        ahead = [] if self.mirror is not None else list(self._lowerings(plan))
+        total, done = len(ahead) + len(plan.shapes), 0
+
+        def step(what: str) -> None:
+            nonlocal done
+            done += 1
+            progress(what, done, total)
+
+        with compiling_ahead(ahead, workers=compile_workers(), done=lambda shape: step(f"compiled {shape}")) as wait:
+            for shape in plan.shapes:
+                wait(shape)
+                self._warm_shape(shape)
+                step(f"ran {shape}")
+        self.new_key(0)
+        self.wait_ready()
+        self.sample_seconds = 0.0
+
+    def _lowerings(self, plan: WarmupPlan):
+        """(shape, lower) of the big steps of the plan's shapes: the model's prefill and
+        decode (tiered: those over the pools)."""
+        k, v = self.kv
+        weights = self.model.weights if self.tiered is None else self.tiered.pooled_weights()
+        impl = "auto" if self.tiered is None else self.tiered.impl
+        for shape in plan.shapes:
+            lower = {PREFILL: lower_prefill, DECODE: lower_decode}.get(shape.kind)
+            if lower is not None:
+                yield shape, partial(lower, weights, k, v, shape.size, cfg=self.model.config, moe_impl=impl)
+
+    def _warm_shape(self, shape: WarmShape) -> None:
+        """Run one shape on the scratch slot, past a block of history where the context
+        has room, so the attention's history loop runs too."""
+        geo, scratch, n = self.geo, self.geo.scratch_slot, shape.size
+        if shape.kind == PREFILL:
+            tokens = min(n, geo.max_context - 1)  # a prompt of this bucket's size that fits
+            offset = max(0, min(ATTN_BLOCK, geo.max_context - 1 - tokens))
+            if self.tiered is None:
+                self.prefill(scratch, [0] * tokens, offset, FILLER_ROW)
+            else:
+                logits, self.kv = self.tiered.warm_prefill(self.kv, geo, n, offset)
+                self._sample(logits[None], [FILLER_ROW], np.zeros((1, 0, 0), np.int32))
+        elif shape.kind == DECODE:
+            position = min(ATTN_BLOCK, geo.max_context - 1)
+            for want_top in (False, True):
+                row = replace(FILLER_ROW, want_top=want_top)
+                if self.tiered is None:
+                    self.decode([0] * n, [scratch] * n, [position] * n, [row] * n)
+                else:
+                    logits, self.kv = self.tiered.warm_decode(self.kv, geo, n, position)
+                    self._sample(logits, [row] * n, np.zeros((n, 0, 0), np.int32))
+        elif shape.kind == SLOT_WIDTH:
+            pairs = self.read_layers(scratch, 0, 1, n)
+            self.write_layers(scratch, 0, pairs)
+        elif shape.kind == EXPERT_MOVE:
+            self.pool.warm_move(n)
+        else:
+            raise ValueError(f"no warm-up for {shape}")
 
     # ---- one slot's KV, layer by layer (sessions and handovers) ---------------------------
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 import jax.numpy as jnp
@@ -31,6 +32,19 @@ from .sharding import EP, TP, host_layout
 from .tiered import POOL_SPECS, put_experts, take_experts
 
 DISK, RAM, DEVICE = 0, 1, 2  # EMAP's 2-bit tier
+
+
+def move_sizes(slots: int) -> tuple[int, ...]:
+    """How many experts one upload or copy back moves, padded: powers of two up to the
+    pool's slots (a few compiled sizes; a padded repeat is a no-op)."""
+    top = 1 << (slots - 1).bit_length()
+    return tuple(1 << i for i in range(top.bit_length()))
+
+
+def _padded(n: int, items: list) -> np.ndarray:
+    """items (n of them) stacked and padded to the next power of two by repeating the last."""
+    size = 1 << (n - 1).bit_length()
+    return np.stack(items + [items[-1]] * (size - n))
 
 
 class ExpertReader(Protocol):
@@ -289,10 +303,9 @@ class ExpertPool:
             self.stats.moves.append(Move(r, e, tier, DEVICE))
         self.version += 1
         slots = [s for _, s in pairs]
-        n = 1 << (len(pairs) - 1).bit_length()  # a few compiled sizes; repeats are no-ops
-        pad = lambda xs: np.stack(xs + [xs[-1]] * (n - len(xs)))  # noqa: E731
-        self.pools[r] = put_experts(*self.pools[r], jnp.asarray(pad(slots), jnp.int32),
-                                    pad(gate_up), pad(down), mesh=self.mesh)
+        pad = partial(_padded, len(pairs))
+        self.pools[r] = put_experts(*self.pools[r], pad(slots).astype(np.int32), pad(gate_up), pad(down),
+                                    mesh=self.mesh)
         self.stats.load_s += time.perf_counter() - started
 
     def _evict(self, r: int, victims: list[tuple[int, int]]) -> None:
@@ -309,12 +322,19 @@ class ExpertPool:
                 self.stats.moves.append(Move(r, e, DEVICE, DISK))
         if not to_ram:
             return
-        gate_up, down = (np.asarray(a) for a in take_experts(
-            *self.pools[r], jnp.asarray([s for _, s in to_ram], jnp.int32), mesh=self.mesh))
+        slots = _padded(len(to_ram), [s for _, s in to_ram]).astype(np.int32)
+        gate_up, down = (np.asarray(a) for a in take_experts(*self.pools[r], slots, mesh=self.mesh))
         for i, (e, _) in enumerate(to_ram):
             if (r, e) in self.ram:  # else a later victim of this eviction took its room
                 self.ram[(r, e)] = (gate_up[i], down[i])
                 self.stats.moves.append(Move(r, e, DEVICE, RAM))
+
+    def warm_move(self, n: int) -> None:
+        """Run a copy back and an upload of n experts (one of move_sizes) once, copying
+        slots of the first layer onto themselves: compiled, and nothing moved."""
+        slots = np.minimum(np.arange(n), self.C - 1).astype(np.int32)
+        gate_up, down = take_experts(*self.pools[0], slots, mesh=self.mesh)
+        self.pools[0] = put_experts(*self.pools[0], slots, np.asarray(gate_up), np.asarray(down), mesh=self.mesh)
 
     def _ram_room(self, r: int, e: int) -> bool:
         """Make room in RAM for (r, e) by dropping colder experts to disk; False when

@@ -170,20 +170,47 @@ def embed(weights: dict, tokens: jax.Array) -> jax.Array:
     return weights["lm_head"][:, tokens].T  # tied: a column per token
 
 
-def _layers(cfg, weights, x, positions, attend, moe_impl, mesh=None):
-    """Run every layer; attend(i, q, k, v) is the attention for layer i. Returns the final
-    hidden states, each layer's new K and V rows, and each MoE layer's expert ids.
-    mesh: inside shard_map over it (cfg counts this shard's heads)."""
+def _layer(cfg, layer, x, positions, attend, moe_impl, mesh):
+    """One layer; attend(q, k, v) is its attention. Returns (x, its new K and V rows, its
+    expert ids or None). mesh: inside shard_map over it (cfg counts this shard's heads)."""
+    q, k, v = qkv(cfg, layer, rms_norm(x, layer["attn_norm"], cfg.rms_eps), positions, mesh)
+    out = jnp.dot(attend(q, k, v), layer["wo"])  # row-parallel over tp: partial sums
+    x = x + (jax.lax.psum(out, TP) if axis_size(mesh, TP) > 1 else out)
+    y, ids = ffn(cfg, layer, rms_norm(x, layer["ffn_norm"], cfg.rms_eps), moe_impl, mesh)
+    return x + y, k, v, ids
+
+
+# Each layer is a jitted function of its own, called once per layer inside the step: the
+# step then traces and lowers a layer once, not once per layer (the slow part of starting
+# an engine whose compiled steps come from the cache), and XLA inlines the calls back.
+
+
+@partial(jax.jit, static_argnames=("cfg", "moe_impl", "mesh"))
+def _rows_layer(layer, x, k_cache, v_cache, slots, positions, *, cfg, moe_impl, mesh):
+    """A layer of a decode step (attend_rows)."""
+    def attend(q, k, v):
+        return attend_rows(cfg, q, k, v, k_cache, v_cache, slots, positions)
+
+    return _layer(cfg, layer, x, positions, attend, moe_impl, mesh)
+
+
+@partial(jax.jit, static_argnames=("cfg", "moe_impl", "mesh"))
+def _chunk_layer(layer, x, k_cache, v_cache, slot, offset, *, cfg, moe_impl, mesh):
+    """A layer of a prefill chunk (attend_chunk; no history when the caches are None)."""
+    def attend(q, k, v):
+        return attend_chunk(cfg, q, k, v, k_cache, v_cache, slot, offset)
+
+    return _layer(cfg, layer, x, offset + jnp.arange(x.shape[0]), attend, moe_impl, mesh)
+
+
+def _layers(weights, x, run_layer):
+    """run_layer(i, layer, x) for every layer: the final hidden states, each layer's new K
+    and V rows, and each MoE layer's expert ids."""
     new_k, new_v, routing = [], [], []
-    tp = axis_size(mesh, TP) > 1
     for i, layer in enumerate(weights["layers"]):
-        q, k, v = qkv(cfg, layer, rms_norm(x, layer["attn_norm"], cfg.rms_eps), positions, mesh)
+        x, k, v, ids = run_layer(i, layer, x)
         new_k.append(k)
         new_v.append(v)
-        out = jnp.dot(attend(i, q, k, v), layer["wo"])  # row-parallel over tp: partial sums
-        x = x + (jax.lax.psum(out, TP) if tp else out)
-        y, ids = ffn(cfg, layer, rms_norm(x, layer["ffn_norm"], cfg.rms_eps), moe_impl, mesh)
-        x = x + y
         if ids is not None:
             routing.append(ids)
     return x, new_k, new_v, routing
@@ -234,17 +261,24 @@ def _prefill(weights, k_cache, v_cache, tokens, slot, offset, n_valid, *, cfg, w
                     (k_cache, v_cache), (tokens, slot, offset, n_valid), (split, split), sum(cfg.moe_layers))
 
 
+def lower_prefill(weights, k_cache, v_cache, tokens: int, *, cfg, moe_impl="auto"):
+    """The prefill an engine runs for a chunk of `tokens` (padded) tokens, traced and
+    lowered but not compiled: compiling it ahead of the first call (several at once, in
+    threads) fills the cache that call then hits."""
+    padded = jax.device_put(np.zeros(tokens, np.int32))
+    return _prefill.trace(weights, k_cache, v_cache, padded, 0, 0, 1, cfg=cfg, with_history=True,
+                          all_logits=False, moe_impl=moe_impl, mesh=mesh_of(weights)).lower()
+
+
 def _prefill_body(weights, k_cache, v_cache, tokens, slot, offset, n_valid, *, cfg, with_history,
                   all_logits, moe_impl, mesh=None):
-    positions = offset + jnp.arange(tokens.shape[0])
     x = embed(weights, tokens)
 
-    def attend(i, q, k, v):
-        if not with_history:
-            return attend_chunk(cfg, q, k, v, None, None, slot, offset)
-        return attend_chunk(cfg, q, k, v, k_cache[i], v_cache[i], slot, offset)
+    def run_layer(i, layer, x):
+        caches = (k_cache[i], v_cache[i]) if with_history else (None, None)
+        return _chunk_layer(layer, x, *caches, slot, offset, cfg=cfg, moe_impl=moe_impl, mesh=mesh)
 
-    x, new_k, new_v, routing = _layers(cfg, weights, x, positions, attend, moe_impl, mesh)
+    x, new_k, new_v, routing = _layers(weights, x, run_layer)
     if not all_logits:
         x = jax.lax.dynamic_slice_in_dim(x, n_valid - 1, 1)
     logits = lm_head(cfg, weights, x)
@@ -274,13 +308,22 @@ def _decode(weights, k_cache, v_cache, tokens, slots, positions, *, cfg, moe_imp
                     (k_cache, v_cache), (tokens, slots, positions), (split, split), sum(cfg.moe_layers))
 
 
+def lower_decode(weights, k_cache, v_cache, batch: int, *, cfg, moe_impl="auto"):
+    """The decode step for a padded batch of `batch` rows, traced and lowered (as
+    lower_prefill)."""
+    rows = jax.device_put(np.zeros(batch, np.int32))
+    return _decode.trace(weights, k_cache, v_cache, rows, rows, rows, cfg=cfg, moe_impl=moe_impl,
+                         mesh=mesh_of(weights)).lower()
+
+
 def _decode_body(weights, k_cache, v_cache, tokens, slots, positions, *, cfg, moe_impl, mesh=None):
     x = embed(weights, tokens)
 
-    def attend(i, q, k, v):
-        return attend_rows(cfg, q, k, v, k_cache[i], v_cache[i], slots, positions)
+    def run_layer(i, layer, x):
+        return _rows_layer(layer, x, k_cache[i], v_cache[i], slots, positions, cfg=cfg, moe_impl=moe_impl,
+                           mesh=mesh)
 
-    x, new_k, new_v, routing = _layers(cfg, weights, x, positions, attend, moe_impl, mesh)
+    x, new_k, new_v, routing = _layers(weights, x, run_layer)
     return lm_head(cfg, weights, x), new_k, new_v, routing
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -24,10 +25,11 @@ def model_kv_sharding(model: Model):
 
 
 def _routing(per_layer: list, rows: int) -> np.ndarray:
-    """Expert ids of the real rows, [MoE layers, rows, k] (k = 0 for a dense model)."""
+    """Expert ids of the real rows, [MoE layers, rows, k] (k = 0 for a dense model).
+    Cut on the host: a slice on the device would compile once per row count."""
     if not per_layer:
         return np.zeros((0, rows, 0), np.int32)
-    return np.stack([np.asarray(ids[:rows]) for ids in per_layer])
+    return np.stack([np.asarray(ids)[:rows] for ids in per_layer])
 
 
 def prefill_slot(model: Model, kv, geo: KVGeometry, slot: int, ids: Sequence[int], offset: int,
@@ -35,7 +37,8 @@ def prefill_slot(model: Model, kv, geo: KVGeometry, slot: int, ids: Sequence[int
     """Run `ids` into `slot` from position `offset` in chunks of at most geo.chunk tokens.
 
     Returns (logits [vocab] after the last token, the updated kv), plus with_routing the
-    chosen experts [MoE layers, len(ids), k].
+    chosen experts [MoE layers, len(ids), k]. Every chunk attends to the slot's history,
+    an empty one at offset 0 included: one compiled function per chunk size.
     """
     if offset + len(ids) > geo.max_context:
         raise ContextLengthError(offset + len(ids), geo.max_context)
@@ -47,8 +50,8 @@ def prefill_slot(model: Model, kv, geo: KVGeometry, slot: int, ids: Sequence[int
         padded[: len(chunk)] = chunk
         pos = offset + start
         logits, new_k, new_v, chosen = prefill(
-            model.weights, k, v, jnp.asarray(padded), slot, pos, len(chunk),
-            cfg=model.config, with_history=pos > 0, moe_impl=moe_impl,
+            model.weights, k, v, jax.device_put(padded), slot, pos, len(chunk),
+            cfg=model.config, moe_impl=moe_impl,
         )
         k, v = write_chunk(k, v, new_k, new_v, slot, pos)
         if with_routing:
@@ -79,16 +82,21 @@ def decode_step(model: Model, kv, geo: KVGeometry, tokens: Sequence[int], slots:
     the chosen experts [MoE layers, rows, k].
     """
     n = len(tokens)
-    tok, slot, pos = padded_rows(geo, tokens, slots, positions)
+    logits, kv, routing = decode_padded(model, kv, geo, tokens, slots, positions, moe_impl)
+    logits = logits if logits.shape[0] == n else logits[:n]
+    return (logits, kv, routing) if with_routing else (logits, kv)
+
+
+def decode_padded(model: Model, kv, geo: KVGeometry, tokens: Sequence[int], slots: Sequence[int],
+                  positions: Sequence[int], moe_impl: str = "auto"):
+    """decode_step with the logits of every row of the padded batch, [bucket, vocab] (what
+    a batched sampler takes without a cut that would compile once per row count), and
+    the routing of the real rows."""
+    tok, slot, pos = (jax.device_put(a) for a in padded_rows(geo, tokens, slots, positions))
     k, v = kv
-    logits, new_k, new_v, chosen = decode(
-        model.weights, k, v, jnp.asarray(tok), jnp.asarray(slot), jnp.asarray(pos),
-        cfg=model.config, moe_impl=moe_impl,
-    )
-    k, v = write_rows(k, v, new_k, new_v, jnp.asarray(slot), jnp.asarray(pos))
-    if with_routing:
-        return logits[:n], (k, v), _routing(chosen, n)
-    return logits[:n], (k, v)
+    logits, new_k, new_v, chosen = decode(model.weights, k, v, tok, slot, pos, cfg=model.config,
+                                          moe_impl=moe_impl)
+    return logits, write_rows(k, v, new_k, new_v, slot, pos), _routing(chosen, len(tokens))
 
 
 def generate(model: Model, prompt_ids: Sequence[int], *, max_tokens: int, temperature: float = 0.0,

@@ -2,8 +2,10 @@
 
 Prompt chunks and decode batches are padded to a few sizes so a new prompt length or a
 new number of streams reuses a compiled function: chunks to powers of two up to 1024
-(then multiples of 1024), batches to 1, 2, 4, 8, 16. Context length is no shape at all
-(attention walks the cache block by block).
+(then multiples of 1024), batches to 1, 2, 4, 8, 16, a slot's KV read or written in
+powers of two. Context length is no shape at all (attention walks the cache block by
+block). A geometry lists every size it can use, so an engine compiles them all before
+it serves (actors/warmup.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ def batch_bucket(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def slot_width(tokens: int, length: int) -> int:
+    """How many positions of a slot move when `tokens` of them are read or written: a
+    power of two (so a long context adds few sizes), at most the cache's length."""
+    return min(batch_bucket(max(tokens, MIN_BUCKET)), length)
+
+
 @dataclass(frozen=True)
 class KVGeometry:
     n_slots: int  # conversations; one more scratch slot takes padded decode rows
@@ -51,6 +59,25 @@ class KVGeometry:
     @property
     def scratch_slot(self) -> int:
         return self.n_slots
+
+    def decode_batches(self) -> tuple[int, ...]:
+        """Every padded batch a decode step can have (1 up to every slot decoding)."""
+        return tuple(1 << i for i in range(batch_bucket(self.n_slots).bit_length()))
+
+    def prefill_chunks(self) -> tuple[int, ...]:
+        """Every padded length a prefill chunk can have (a prompt is shorter than the
+        context)."""
+        longest = min(self.chunk, self.max_context - 1)
+        return tuple(sorted({bucket(n, cap=self.chunk) for n in range(1, longest + 1)}))
+
+    def slot_widths(self) -> tuple[int, ...]:
+        """Every width a slot's KV is read or written in (sessions, handovers)."""
+        return tuple(sorted({slot_width(n, self.length) for n in _powers_up_to(self.max_context)}))
+
+
+def _powers_up_to(n: int) -> list[int]:
+    """1, 2, 4, ... and n itself: the token counts where slot_width can change."""
+    return [1 << i for i in range(n.bit_length()) if 1 << i < n] + [n]
 
 
 def init_kv(cfg: ModelConfig, geo: KVGeometry, dtype=jnp.float32, sharding=None):
@@ -77,10 +104,19 @@ def read_slot_layer(kv, layer: int, slot: int, tokens: int) -> tuple[np.ndarray,
     k, v = kv
     # A bucketed width comes over (a few compiled slices cover every length), then numpy
     # cuts it to size.
-    width = max(1, min(bucket(tokens), k[layer].shape[-1]))
-    k_rows = _on_host(k[layer][slot, :, :, :width])[:, :, :tokens].transpose(2, 0, 1)
-    v_rows = _on_host(v[layer][slot, :, :width, :])[:, :tokens, :].transpose(1, 0, 2)
+    k_rows, v_rows = _take_layer(k[layer], v[layer], slot, width=slot_width(tokens, k[layer].shape[-1]))
+    k_rows = _on_host(k_rows)[:, :, :tokens].transpose(2, 0, 1)
+    v_rows = _on_host(v_rows)[:, :tokens, :].transpose(1, 0, 2)
     return np.ascontiguousarray(k_rows), np.ascontiguousarray(v_rows)
+
+
+@partial(jax.jit, static_argnames=("width",))
+def _take_layer(k_layer, v_layer, slot, *, width: int):
+    """A slot's first `width` positions of one layer: K [kv_heads, head_dim, width], V
+    [kv_heads, width, head_dim]. The slot is traced, so one compile serves every slot."""
+    k = jax.lax.dynamic_index_in_dim(k_layer, slot, keepdims=False)
+    v = jax.lax.dynamic_index_in_dim(v_layer, slot, keepdims=False)
+    return k[:, :, :width], v[:, :width, :]
 
 
 def _on_host(x) -> np.ndarray:
@@ -106,7 +142,7 @@ def write_slot_layer(kv, geo: KVGeometry, layer: int, slot: int, k_rows: np.ndar
     `slot` (in place); returns the updated kv. Rows are padded to a bucket so a few
     compiled shapes cover every length; the padding lands past the slot's history."""
     tokens = k_rows.shape[0]
-    width = min(bucket(tokens), geo.length)
+    width = slot_width(tokens, geo.length)
     pad = ((0, width - tokens), (0, 0), (0, 0))
     k, v = list(kv[0]), list(kv[1])
     k[layer], v[layer] = _put_layer(k[layer], v[layer], np.pad(k_rows, pad), np.pad(v_rows, pad), slot)

@@ -1,9 +1,8 @@
 """Sampling on the device: per-row temperature, top-p and PRNG key, so a batch that
-mixes greedy and sampled requests runs one compiled function."""
+mixes greedy and sampled requests runs one compiled function (one per batch size, with
+or without top candidates)."""
 
 from __future__ import annotations
-
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -25,14 +24,18 @@ def _top_p_mask(logits: jax.Array, top_p: jax.Array) -> jax.Array:
     return jnp.where(keep, logits, -jnp.inf)
 
 
-@partial(jax.jit, static_argnames=("n_top",))
-def sample(logits, temperature, top_p, keys, *, n_top=0):
+TOP_CANDIDATES = 5  # the most top logprobs a request may ask for
+
+
+@jax.jit
+def sample(logits, temperature, top_p, keys, want_top=False):
     """Pick one token per row.
 
-    logits [b, v] float32; temperature, top_p [b]; keys [b, 2] uint32.
-    Returns (tokens [b], logprob of each token [b], next keys [b, 2],
-    top candidates' ids [b, n_top] and logprobs [b, n_top]). Logprobs are of the
-    model's distribution before temperature and top-p, as OpenAI reports them.
+    logits [b, v] float32; temperature, top_p [b]; keys [b, 2] uint32; want_top: a
+    bool, traced (the top candidates cost time only when asked for).
+    Returns (tokens [b], logprob of each token [b], next keys [b, 2], the top
+    candidates' ids [b, TOP_CANDIDATES] and logprobs, zeros unless want_top). Logprobs
+    are of the model's distribution before temperature and top-p, as OpenAI reports them.
     """
     greedy = jnp.argmax(logits, axis=-1)
     split = jax.vmap(lambda k: jax.random.split(jax.random.wrap_key_data(k)))(keys)
@@ -51,10 +54,13 @@ def sample(logits, temperature, top_p, keys, *, n_top=0):
     tokens = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
     log_total = jax.nn.logsumexp(logits, axis=-1)
     token_logprob = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_total
-    if n_top:
-        top_logits, top_ids = jax.lax.top_k(logits, n_top)
-        top_lp = top_logits - log_total[:, None]
-    else:
-        top_lp = jnp.zeros((logits.shape[0], 0), logits.dtype)
-        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    def top(_):
+        top_logits, top_ids = jax.lax.top_k(logits, TOP_CANDIDATES)
+        return top_ids.astype(jnp.int32), top_logits - log_total[:, None]
+
+    def none(_):
+        shape = (logits.shape[0], TOP_CANDIDATES)
+        return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, logits.dtype)
+
+    top_ids, top_lp = jax.lax.cond(want_top, top, none, None)
     return tokens, token_logprob, jax.random.key_data(nxt), top_ids, top_lp

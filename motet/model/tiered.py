@@ -74,15 +74,13 @@ def layer_rows(cfg, layer, nxt, x, k_cache, v_cache, slots, positions):
     return (*_after_attention(cfg, layer, x, out, nxt), k, v)
 
 
-@partial(jax.jit, static_argnames=("cfg", "with_history"))
-def layer_chunk(cfg, layer, nxt, x, k_cache, v_cache, slot, offset, *, with_history):
-    """The same for a prefill chunk (as forward.prefill); new K [k, d, t], V [k, t, d]."""
+@partial(jax.jit, static_argnames=("cfg",))
+def layer_chunk(cfg, layer, nxt, x, k_cache, v_cache, slot, offset):
+    """The same for a prefill chunk (as forward.prefill, attending to the slot's history,
+    none at offset 0); new K [k, d, t], V [k, t, d]."""
     positions = offset + jnp.arange(x.shape[0])
     q, k, v = qkv(cfg, layer, rms_norm(x, layer["attn_norm"], cfg.rms_eps), positions)
-    if with_history:
-        out = attend_chunk(cfg, q, k, v, k_cache, v_cache, slot, offset)
-    else:
-        out = attend_chunk(cfg, q, k, v, None, None, slot, offset)
+    out = attend_chunk(cfg, q, k, v, k_cache, v_cache, slot, offset)
     return (*_after_attention(cfg, layer, x, out, nxt), k.transpose(1, 2, 0), v.transpose(1, 0, 2))
 
 
@@ -191,6 +189,13 @@ def embed_tokens(weights, tokens):
 @partial(jax.jit, static_argnames=("cfg",))
 def head(cfg, weights, x):
     return lm_head(cfg, weights, x)
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def head_row(cfg, weights, x, row):
+    """The logits [vocab] of one row of x (a chunk's last real token). The row is traced:
+    one compile per chunk size, not per prompt length."""
+    return lm_head(cfg, weights, jax.lax.dynamic_slice_in_dim(x, row, 1))[0]
 
 
 def top_weights(weights: dict) -> dict:

@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -39,7 +38,7 @@ from .kv import KVGeometry, bucket
 from .model import Model
 from .sharding import TP, mesh_of
 from .tiered import (
-    embed_tokens, head, layer_chunk, layer_rows, moe_over_pool, shared_weights, top_weights,
+    embed_tokens, head, head_row, layer_chunk, layer_rows, moe_over_pool, shared_weights, top_weights,
 )
 
 
@@ -77,21 +76,23 @@ class TieredModel:
         """As generate.decode_step(with_routing=True): (logits [rows, vocab], kv,
         routing [MoE layers, rows, k])."""
         n = len(tokens)
-        tok, slot, pos = padded_rows(geo, tokens, slots, positions)
-        tok_d, slot_d, pos_d = jnp.asarray(tok), jnp.asarray(slot), jnp.asarray(pos)
+        logits, kv, routing = self.decode_padded(kv, geo, tokens, slots, positions)
+        return (logits if logits.shape[0] == n else logits[:n]), kv, routing
+
+    def decode_padded(self, kv, geo: KVGeometry, tokens: Sequence[int], slots: Sequence[int],
+                      positions: Sequence[int]):
+        """As generate.decode_padded: the logits of every row of the padded batch."""
+        n = len(tokens)
+        tok_d, slot_d, pos_d = (jax.device_put(a) for a in padded_rows(geo, tokens, slots, positions))
         k_cache, v_cache = kv
         fused = self._fused(n, lambda w: decode(w, k_cache, v_cache, tok_d, slot_d, pos_d,
                                                 cfg=self.cfg, moe_impl=self.impl))
         if fused is not None:
             logits, new_k, new_v, routing = fused
         else:
-            def piece(i, x, nxt):
-                return layer_rows(self.cfg, self.layers[i], nxt, x, k_cache[i], v_cache[i], slot_d, pos_d)
-
-            x, new_k, new_v, routing = self._layers(tok_d, n, piece)
+            x, new_k, new_v, routing = self._layers(tok_d, n, self._rows_piece(kv, slot_d, pos_d))
             logits = head(self.cfg, self.top, x)
-        kv = write_rows(k_cache, v_cache, new_k, new_v, slot_d, pos_d)
-        return (logits if n == len(tok) else logits[:n]), kv, routing
+        return logits, write_rows(k_cache, v_cache, new_k, new_v, slot_d, pos_d), routing
 
     def prefill_slot(self, kv, geo: KVGeometry, slot: int, ids: Sequence[int], offset: int):
         """As generate.prefill_slot(with_routing=True): (logits [vocab], kv,
@@ -104,22 +105,54 @@ class TieredModel:
             n = len(chunk)
             padded = np.zeros(bucket(n, cap=geo.chunk), np.int32)
             padded[:n] = chunk
-            at, tokens = offset + start, jnp.asarray(padded)
+            at, tokens = offset + start, jax.device_put(padded)
             k_cache, v_cache = kv
             fused = self._fused(n, lambda w: prefill(w, k_cache, v_cache, tokens, slot, at, n, cfg=self.cfg,
-                                                     with_history=at > 0, moe_impl=self.impl))
+                                                     moe_impl=self.impl))
             if fused is not None:
                 logits, new_k, new_v, chosen = fused
             else:
-                def piece(i, x, nxt):
-                    return layer_chunk(self.cfg, self.layers[i], nxt, x, k_cache[i], v_cache[i], slot, at,
-                                       with_history=at > 0)
-
-                x, new_k, new_v, chosen = self._layers(tokens, n, piece)
-                logits = head(self.cfg, self.top, x[n - 1 : n])[0]
+                x, new_k, new_v, chosen = self._layers(tokens, n, self._chunk_piece(kv, slot, at))
+                logits = head_row(self.cfg, self.top, x, n - 1)
             kv = write_chunk(k_cache, v_cache, new_k, new_v, slot, at)
             routing.append(chosen)
         return logits, kv, np.concatenate(routing, axis=1)
+
+    def _rows_piece(self, kv, slots, positions):
+        def piece(i, x, nxt):
+            return layer_rows(self.cfg, self.layers[i], nxt, x, kv[0][i], kv[1][i], slots, positions)
+
+        return piece
+
+    def _chunk_piece(self, kv, slot: int, offset: int):
+        def piece(i, x, nxt):
+            return layer_chunk(self.cfg, self.layers[i], nxt, x, kv[0][i], kv[1][i], slot, offset)
+
+        return piece
+
+    # ---- warm-up: every shape compiled, no expert moved ----------------------------------
+
+    def warm_decode(self, kv, geo: KVGeometry, rows: int, position: int):
+        """Run both ways of a decode step of `rows` padded rows at `position` of the
+        scratch slot without touching the pool (its lookups, stats and contents stay as
+        they were): the padded logits and the kv."""
+        scratch = [geo.scratch_slot] * rows
+        padded = padded_rows(geo, [0] * rows, scratch, [position] * rows)
+        tok_d, slot_d, pos_d = (jax.device_put(a) for a in padded)
+        k_cache, v_cache = kv
+        decode(self.pooled_weights(), k_cache, v_cache, tok_d, slot_d, pos_d, cfg=self.cfg, moe_impl=self.impl)
+        x, new_k, new_v, _ = self._layers(tok_d, rows, self._rows_piece(kv, slot_d, pos_d), dry=True)
+        return head(self.cfg, self.top, x), write_rows(k_cache, v_cache, new_k, new_v, slot_d, pos_d)
+
+    def warm_prefill(self, kv, geo: KVGeometry, tokens: int, offset: int):
+        """The same for a prefill chunk of `tokens` (padded) tokens at `offset`: the
+        logits of its last token and the kv."""
+        slot, padded = geo.scratch_slot, jax.device_put(np.zeros(tokens, np.int32))
+        k_cache, v_cache = kv
+        prefill(self.pooled_weights(), k_cache, v_cache, padded, slot, offset, tokens, cfg=self.cfg,
+                moe_impl=self.impl)
+        x, new_k, new_v, _ = self._layers(padded, tokens, self._chunk_piece(kv, slot, offset), dry=True)
+        return head_row(self.cfg, self.top, x, tokens - 1), write_chunk(k_cache, v_cache, new_k, new_v, slot, offset)
 
     # ---- the one-jit step ----------------------------------------------------------
 
@@ -128,7 +161,7 @@ class TieredModel:
         (logits, new K, new V, routing [MoE layers, n, k]), or None (run it by layers)."""
         if not (self.allow_optimistic and self.optimistic):
             return None
-        logits, new_k, new_v, chosen = run(self._pooled_weights())
+        logits, new_k, new_v, chosen = run(self.pooled_weights())
         routing = np.stack([np.asarray(ids)[:n] for ids in chosen])  # [R, n, k]
         lut = self.pool.lut
         if (np.take_along_axis(lut, routing.reshape(len(lut), -1), axis=1) < 0).any():
@@ -139,7 +172,7 @@ class TieredModel:
             self.pool.all_present(r, np.unique(routing[r]))
         return logits, new_k, new_v, routing
 
-    def _pooled_weights(self) -> dict:
+    def pooled_weights(self) -> dict:
         """The model's weights with each MoE layer reading its pool through its table."""
         version, tables = self._luts
         if version != self.pool.version:
@@ -155,10 +188,13 @@ class TieredModel:
 
     # ---- layer by layer ------------------------------------------------------------
 
-    def _layers(self, tokens, n: int, piece):
+    def _layers(self, tokens, n: int, piece, dry: bool = False):
         """Run every layer over tokens [t] of which the first n are real: (hidden states,
-        new K and V per layer, the real rows' expert ids [MoE layers, n, k])."""
-        self.pool.begin_step()
+        new K and V per layer, the real rows' expert ids [MoE layers, n, k]). dry: every
+        MoE layer runs over its pool with nothing routed (the same compiled functions, no
+        lookups, no loads: a warm-up)."""
+        if not dry:
+            self.pool.begin_step()
         before = self.pool.stats.lookups - self.pool.stats.hits
         x = embed_tokens(self.top, tokens)
         new_k, new_v, routing = [], [], []
@@ -172,10 +208,16 @@ class TieredModel:
             r = self.moe_index[i]
             ids = np.asarray(ids)
             routing.append(ids[:n])
+            if dry:
+                nothing = np.zeros(ids.shape, np.int32)
+                x = moe_over_pool(x, h, w, nothing.astype(np.float32), nothing, *self.pool.pools[r],
+                                  impl=self.impl, mesh=self.mesh)
+                continue
             x = self._moe(r, x, h, w, ids, real)
             if guess is not None and self.prefetch:
                 self.pool.prefetch(r + 1, _by_votes(np.asarray(guess)[:n]))
-        self.optimistic = self.pool.stats.lookups - self.pool.stats.hits == before  # no misses
+        if not dry:
+            self.optimistic = self.pool.stats.lookups - self.pool.stats.hits == before  # no misses
         rows = np.zeros((0, n, 0), np.int32)
         return x, new_k, new_v, (np.stack(routing) if routing else rows)
 

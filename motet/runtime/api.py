@@ -204,6 +204,22 @@ class EngineStatistics:
 
 
 @dataclass(frozen=True)
+class StartupReport:
+    """How an engine came up: seconds to ready (loading the model, then compiling and
+    running every shape it will run), and the executables that took. None where a mux
+    child did not say."""
+
+    ready_s: float  # from start() to ready: what the first request would have waited
+    load_s: float | None = None  # reading and placing the model
+    warmup_s: float | None = None  # compiling and running each shape once (0: warm-up off)
+    shapes: int | None = None  # the shapes warmed (actors/warmup.py)
+    compiled: int | None = None  # executables XLA compiled while starting
+    from_cache: int | None = None  # executables the persistent cache held
+    compiles_after_ready: int | None = None  # executables needed since: 0 unless a shape was missed
+    cache_dir: str | None = None  # the persistent compilation cache (None: off)
+
+
+@dataclass(frozen=True)
 class FinishEvent:
     stats: TurnStats
     text_tail: str = ""  # text held back until the end (stop-string prefixes, partial UTF-8)

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+# JAX's persistent compilation cache, for every entry point (the CLI's --compile-cache and
+# MOTET_COMPILE_CACHE move it; Engine(compile_cache=...) too).
+DEFAULT_COMPILE_CACHE = Path.home() / ".cache" / "motet" / "jax"
+
 
 @dataclass(frozen=True)
 class ModelSettings:
