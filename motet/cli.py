@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .runtime.config import EXPERT_MODES, ExpertSettings, ModelSettings, SamplingSettings
+from .runtime.config import DEFAULT_COMPILE_CACHE, EXPERT_MODES, ExpertSettings, ModelSettings, SamplingSettings
 from .runtime.distributed import DistributedSettings, join_group
 
 log = logging.getLogger("motet")
@@ -24,11 +24,16 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--max-context", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--compile-cache", type=Path,
-                   default=Path(os.environ.get("MOTET_COMPILE_CACHE", Path.home() / ".cache" / "motet" / "jax")),
-                   help="JAX persistent compilation cache directory ('' to disable)")
+                   default=Path(os.environ.get("MOTET_COMPILE_CACHE", DEFAULT_COMPILE_CACHE)),
+                   help="JAX's persistent compilation cache (MOTET_COMPILE_CACHE; '' turns it off)")
     p.add_argument("--mesh", default=os.environ.get("MOTET_MESH") or None, metavar="ep=N,tp=M",
                    help="shard the model over this process's devices: experts along ep, heads and FFN "
                    "widths along tp (MOTET_MESH; docs/scaling.md)")
+
+
+def _add_warm_up_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                   help="be ready before compiling every shape (requests then wait while each new one compiles)")
 
 
 def _add_group_flags(p: argparse.ArgumentParser) -> None:
@@ -93,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message")
     _add_model_flags(chat)
     _add_sampling_flags(chat)
-    info = sub.add_parser("info", help="describe the model")
+    info = sub.add_parser("info", help="describe the model, and what an engine would compile for it")
+    info.add_argument("--kv-slots", type=int, default=16, help="the engine's KV slots (what it compiles)")
     _add_model_flags(info)
     muxp = sub.add_parser("mux", help="serve the mux protocol on stdin/stdout (SNAP, KV_SLOTS, CTX, "
                           "SERVE_TOPK from the environment; flags win)")
@@ -112,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     muxp.add_argument("--temperature", type=float, default=0.0, help="legacy protocol chat lines: 0 = greedy")
     muxp.add_argument("--top-p", type=float, default=1.0, help="legacy protocol chat lines")
     _add_group_flags(muxp)
+    _add_warm_up_flag(muxp)
     servep = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (and the web page)")
     servep.add_argument("--host", default="127.0.0.1")
     servep.add_argument("--port", type=int, default=8000, help="0 picks a free port")
@@ -137,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_expert_flags(servep)
     _add_model_flags(servep)
     _add_group_flags(servep)
+    _add_warm_up_flag(servep)
     workerp = sub.add_parser("worker", help="a prefill, decode or mono worker on the TCP wire (docs/wire.md)")
     workerp.add_argument("--role", choices=("mono", "prefill", "decode"), required=True)
     workerp.add_argument("--listen", required=True, metavar="HOST:PORT",
@@ -147,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     workerp.add_argument("--prefill", default=None, metavar="HOST:PORT",
                          help="decode: the prefill worker (a request's prefill= key wins)")
     _add_model_flags(workerp)
+    _add_warm_up_flag(workerp)
     return parser
 
 
@@ -162,12 +171,10 @@ def sampling_settings(args) -> SamplingSettings:
 
 
 def open_model(settings: ModelSettings, lazy_experts: bool = False):
-    import jax
-
-    if settings.compile_cache is not None:
-        jax.config.update("jax_compilation_cache_dir", str(settings.compile_cache))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     from .model import load_model
+    from .model.compilation import use_compile_cache
+
+    use_compile_cache(settings.compile_cache)  # before the first compile: loading places weights
 
     log.info("loading %s", settings.path or "the default model (SmolLM2-135M-Instruct)")
     return load_model(settings.path, dtype=settings.dtype, max_context=settings.max_context,
@@ -175,11 +182,21 @@ def open_model(settings: ModelSettings, lazy_experts: bool = False):
 
 
 def cmd_info(args) -> int:
+    from .actors.warmup import WarmupPlan
+    from .engine import PREFILL_CHUNK
+    from .model.kv import KVGeometry
+
     model = open_model(model_settings(args))
     info = model.info()
     width = max(map(len, info))
     for key, value in info.items():
         print(f"{key:<{width}}  {value}")
+    context = min(args.max_context or 4096, model.config.max_context)
+    geo = KVGeometry(n_slots=args.kv_slots, max_context=context, chunk=PREFILL_CHUNK)
+    print(f"compiled before ready ({args.kv_slots} KV slots, context {context}, prefill chunks of "
+          f"{PREFILL_CHUNK}; experts resident):")
+    for line in WarmupPlan.of(geo).describe():
+        print(f"  {line}")
     return 0
 
 
@@ -296,11 +313,9 @@ def cmd_mux(args, mirror=None) -> int:
     if not 1 <= mux.kv_slots <= 16:
         raise ValueError(f"KV_SLOTS must be in [1, 16], got {mux.kv_slots}")
     settings = model_settings(args)
-    if settings.compile_cache is not None:
-        import jax
+    from .model.compilation import use_compile_cache
 
-        jax.config.update("jax_compilation_cache_dir", str(settings.compile_cache))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    use_compile_cache(settings.compile_cache)
     # stdout carries the protocol only: keep a private handle to it, and point fd 1 (and
     # anything a library prints there) at stderr.
     protocol_fd = os.dup(1)
@@ -324,7 +339,8 @@ def cmd_mux(args, mirror=None) -> int:
     async def serve():
         kv_slots = 1 if mux.legacy else mux.kv_slots
         async with Engine(loaded, kv_slots=kv_slots, max_context=mux.context, experts=mux.experts,
-                          mesh=args.mesh, mirror=mirror) as engine:
+                          mesh=args.mesh, mirror=mirror, compile_cache=settings.compile_cache,
+                          warm_up=args.warm_up) as engine:
             stdin = trio.lowlevel.FdStream(os.dup(0))
             stdout = trio.lowlevel.FdStream(protocol_fd)
             if mux.legacy:
@@ -373,7 +389,7 @@ def cmd_serve(args, mirror=None) -> int:
         max_body_bytes=args.max_body_bytes, engine_cmd=args.engine_cmd, model_path=args.model,
         slot_save_path=args.slot_save_path, experts=expert_settings(args, os.environ), **extra,
         split=SplitSettings.from_json(args.split) if args.split is not None else None,
-        send_timeout_s=args.send_timeout,
+        send_timeout_s=args.send_timeout, compile_cache=model_settings(args).compile_cache, warm_up=args.warm_up,
     )  # checked (e.g. no key on a public address) before the model loads
     lazy = settings.experts.mode != "resident"  # tiered or not is decided once the model is known
     in_process = args.engine_cmd is None and settings.split is None
@@ -384,7 +400,7 @@ def cmd_serve(args, mirror=None) -> int:
 def cmd_worker(args) -> int:
     from .worker import run_worker
 
-    return run_worker(args)
+    return run_worker(args, model_settings(args).compile_cache)
 
 
 def in_group(command):

@@ -41,7 +41,8 @@ from .actors.policy import SlotView, choose_slot
 from .mux_stream import EngineExited, EngineStartError, MuxStream, engine_error
 from .protocol import mux
 from .protocol.session_file import SessionError
-from .runtime.api import EngineStatistics, ExpertState, GenerationRequest, Perf, SlotFile, TurnStats
+from .runtime.api import (EngineStatistics, ExpertState, GenerationRequest, Perf, SlotFile, StartupReport,
+                          TurnStats)
 from .runtime.collect import Collected, read_prompt
 from .runtime.errors import (BadRequest, DuplicateId, EmptyPrompt, EngineClosed, EngineError, NotFound,
                              QueueFull)
@@ -95,11 +96,14 @@ class MuxEngine(Service, Collected):
         self._closing = self._eof = False  # eof: the child's stdout ended
         self._exit_status: int | None = None
         self._exited = trio.Event()  # the reader is done: nothing more comes from the child
+        self._ready_s: float | None = None  # from spawning the child to its READY
+        self._warmup: mux.Warmup | None = None  # the child's WARMUP line
 
     # ---- life cycle -----------------------------------------------------------------
 
     async def start(self, nursery: trio.Nursery) -> None:
         """Start the child and wait for its READY; EngineStartError if it never comes."""
+        started = time.perf_counter()
         self.process = await nursery.start(partial(
             trio.run_process, self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             env=self.env, check=False, deliver_cancel=_kill,
@@ -112,6 +116,7 @@ class MuxEngine(Service, Collected):
                 raise EngineStartError(f"the mux engine could not load its model ({fail.kind}): "
                                        f"{fail.detail} (exit status {status})", status, fail.kind)
             if mux.Ready() in events:
+                self._ready_s = time.perf_counter() - started
                 break
         else:
             status = await self.process.wait()
@@ -205,6 +210,8 @@ class MuxEngine(Service, Collected):
                 pass  # a STOP or CANCEL that crossed its request's end: a SUBMIT never gets it
             case mux.Done() | mux.Error() | mux.Prefilled() if stream is not None:
                 self._end(stream, event)
+            case mux.Warmup():
+                self._warmup = event
             case mux.Telemetry(kind, fields):
                 try:
                     self._on_telemetry(kind, fields)
@@ -427,6 +434,16 @@ class MuxEngine(Service, Collected):
 
         path = Path(self._chat_model or DEFAULT_MODEL_FILE)
         return path.stem if path.suffix == ".gguf" or path.is_file() else path.name
+
+    def startup(self) -> StartupReport | None:
+        """How the child came up: the seconds from spawning it to its READY (what a request
+        waited), with what its WARMUP line says (only the seconds when it sends none)."""
+        if self._ready_s is None:
+            return None
+        w = self._warmup
+        if w is None:
+            return StartupReport(self._ready_s)
+        return StartupReport(self._ready_s, w.load_s, w.warmup_s, w.shapes, w.compiled, w.from_cache)
 
     def statistics(self) -> EngineStatistics:
         """Requests running and waiting now, as this client sees them (a snapshot)."""

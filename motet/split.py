@@ -367,6 +367,11 @@ class SplitEngine(Service, Collected):
         engine = self._decode.alive()
         return engine.expert_state() if engine is not None else ExpertState(0, 0, b"", b"", 0, ())
 
+    def startup(self):
+        """How the decode engine came up (it answers every request; None while it is down)."""
+        engine = self._decode.alive()
+        return engine.startup() if engine is not None else None
+
     def split_statistics(self) -> SplitStatistics:
         c = self._counts
         return SplitStatistics(

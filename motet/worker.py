@@ -22,6 +22,7 @@ import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import trio
 
@@ -277,15 +278,11 @@ def error_msg(exc: Exception) -> Msg:
 # ---- the command ------------------------------------------------------------------------
 
 
-def run_worker(args) -> int:
+def run_worker(args, compile_cache: Path | None) -> int:
     settings = WorkerSettings(role=args.role, listen=args.listen, request_wait=args.request_wait,
                               prefill=args.prefill)
-    if str(args.compile_cache) not in ("", "."):
-        import jax
-
-        jax.config.update("jax_compilation_cache_dir", str(args.compile_cache))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    engine = dict(kv_slots=args.kv_slots, max_context=args.max_context or 4096, dtype=args.dtype, mesh=args.mesh)
+    engine = dict(kv_slots=args.kv_slots, max_context=args.max_context or 4096, dtype=args.dtype, mesh=args.mesh,
+                  compile_cache=compile_cache, warm_up=args.warm_up)
     try:
         with sole_error():
             trio.run(serve_worker, args.model, engine, settings)

@@ -8,9 +8,9 @@ import os
 import sys
 from pathlib import Path
 
-import jax
 import pytest
 
+from motet.model.compilation import use_compile_cache
 from motet.model.kv import KVGeometry
 
 REPO = Path(__file__).resolve().parent.parent
@@ -24,12 +24,13 @@ TINY_ARCHS = ("llama", "qwen3_moe", "olmoe", "mixtral")
 # KVSAVE_DIR explicitly.
 os.environ.setdefault("KVSAVE", "0")
 
-jax.config.update("jax_compilation_cache_dir", str(COMPILE_CACHE))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+use_compile_cache(COMPILE_CACHE)
 
 # `motet mux` as a child process, sharing the tests' compilation cache (its SNAP, KV_SLOTS
-# and CTX come from the environment).
-MUX_COMMAND = (sys.executable, "-m", "motet", "mux", "--compile-cache", str(COMPILE_CACHE))
+# and CTX come from the environment). Its warm-up is off: these children test the
+# protocol, and compiling every shape of each would cost minutes of the suite
+# (tests/test_warm_start.py tests the warm-up of `motet mux` and `motet serve`).
+MUX_COMMAND = (sys.executable, "-m", "motet", "mux", "--compile-cache", str(COMPILE_CACHE), "--no-warm-up")
 
 # One cache geometry for the tiny models' KV tests, so they share compiled functions.
 TINY_GEO = KVGeometry(n_slots=16, max_context=112, chunk=16)

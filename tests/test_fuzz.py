@@ -106,7 +106,7 @@ REQUEST_EVENTS = (mux.Submit, mux.Cancel, mux.Stop, mux.Malformed, mux.BadFrame,
                   mux.Save, mux.Restore, mux.Erase, mux.Prefill)
 RESPONSE_EVENTS = (mux.Ready, mux.Data, mux.TopK, mux.Done, mux.Error, mux.Telemetry, mux.BadLine,
                    mux.Turn, mux.LoadFail, mux.Saved, mux.Restored, mux.Erased, mux.Prefilled, mux.SessionRefused,
-                   mux.KvSaveFail)
+                   mux.KvSaveFail, mux.Warmup)
 
 
 def check_mux_requests(data: bytes, cuts=()) -> None:

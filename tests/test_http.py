@@ -411,7 +411,9 @@ async def test_models_health_experts_and_metrics(serve_tiny):
             experts = (await http.get("/experts")).json()
     assert [m.id for m in models.data] == ["llama"] and model.id == "llama" and model.object == "model"
     assert missing.value.body["code"] == "model_not_found"
-    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    startup = health.json()["startup"]  # both backends say how the engine came up (mux: its WARMUP line)
+    assert startup["ready_s"] > 0 and startup["compiled"] >= 0 and startup["from_cache"] >= 0
 
     assert after.headers["content-type"].startswith("text/plain")
     assert metric(before, "motet_prompt_tokens_total") == 0

@@ -19,14 +19,14 @@ def submit(rid: int, slot: int, max_tokens: int = 8, prompt: bytes = PROMPT, ext
     return f"SUBMIT {rid} {slot} {len(prompt)} {max_tokens} 0 1{extra}\n".encode() + prompt + b"\n"
 
 
-def run_mux(stdin: bytes, *, env: dict | None = None, args=()) -> tuple[int, list, bytes]:
+def run_mux(stdin: bytes, *, env: dict | None = None, args=(), decoder=mux.ResponseDecoder) -> tuple[int, list, bytes]:
     environ = {**os.environ, "SNAP": str(GOLDEN / "llama"), "SERVE": "1", "SERVE_BATCH": "1",
                "KV_SLOTS": "2", "CTX": "256", **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-m", "motet", "mux", "--compile-cache", str(REPO / ".jax_cache" / "tests"), *args],
         input=stdin, capture_output=True, env=environ, timeout=300, cwd=REPO,
     )
-    events = mux.ResponseDecoder().feed(proc.stdout)
+    events = decoder().feed(proc.stdout)
     return proc.returncode, events, proc.stderr
 
 
@@ -86,6 +86,16 @@ def test_handshake_generation_and_eof():
     kinds = [e.kind for e in events[events.index(done) - 7 : events.index(done)]]
     assert kinds == ["HWINFO", "PERF", "ENTROPY", "GPUS", "TIERS", "EMAP", "HITS"]
     assert text_of(events, 1)
+
+
+def test_ready_comes_after_the_warm_up_and_says_how_it_went():
+    """[extension] WARMUP ends the start-up lines (a plain server skips it, above)."""
+    _, events, stderr = run_mux(b"", decoder=mux.ExtendedResponseDecoder)
+    assert [type(e) for e in events[:6]] == [mux.Ready, *[mux.Telemetry] * 4, mux.Warmup]
+    warmup = events[5]
+    assert warmup.shapes > 0 and warmup.compiled + warmup.from_cache > warmup.shapes
+    assert warmup.ready_s >= warmup.warmup_s > 0
+    assert b"warm-up: ran decode 2 rows" in stderr  # the progress lines go to stderr
 
 
 def test_greedy_output_is_identical_across_processes():

@@ -176,6 +176,19 @@ def test_slot_replies_round_trip_in_the_extended_decoder_only():
                                                                  (mux.Error, 6, "SESSION_REFUSED")]
 
 
+def test_warmup_is_an_extension_line_other_servers_skip():
+    line = mux.encode_warmup(mux.Warmup(12.5, 3.25, 9.0, 21, 40, 3))
+    assert line == b"WARMUP 12.50 3.25 9.00 21 40 3\n"
+    assert mux.ExtendedResponseDecoder().feed(mux.READY + b"\n" + line) == [mux.Ready(), mux.Warmup(12.5, 3.25, 9.0, 21, 40, 3)]
+    assert mux.ResponseDecoder().feed(line) == []  # an unknown kind, as the protocol says
+
+
+def test_malformed_warmup_lines_are_bad_lines():
+    events = mux.ExtendedResponseDecoder().feed(b"WARMUP 1 2 3 4 5\nWARMUP nan 1 1 1 1 1\nWARMUP 1 1 -1 1 1 1\n"
+                                                 b"WARMUP 1 1 1 1 -2 1\n")
+    assert [type(e) for e in events] == [mux.BadLine] * 4
+
+
 def test_malformed_slot_replies_are_bad_lines():
     events = mux.ExtendedResponseDecoder().feed(b"SAVED 1 0 x 3 1.0\nERASED 1\nPREFILLED 0 1 2 3 4\n")
     assert [type(e) for e in events] == [mux.BadLine] * 3
@@ -185,9 +198,10 @@ REQUEST_EVENTS = (mux.Submit, mux.Cancel, mux.Stop, mux.Malformed, mux.BadFrame,
                   mux.Save, mux.Restore, mux.Erase, mux.Prefill)
 RESPONSE_EVENTS = (mux.Ready, mux.Data, mux.TopK, mux.Done, mux.Error, mux.Telemetry, mux.BadLine)
 EXTENDED_EVENTS = (*RESPONSE_EVENTS, mux.Turn, mux.LoadFail, mux.Saved, mux.Restored, mux.Erased,
-                   mux.Prefilled, mux.SessionRefused, mux.KvSaveFail)
+                   mux.Prefilled, mux.SessionRefused, mux.KvSaveFail, mux.Warmup)
 words = st.sampled_from([b"SUBMIT", b"CANCEL", b"STOP", b"DATA", b"DONE", b"TOPK", b"ERROR",
                          b"STAT", b"SAVE", b"RESTORE", b"ERASE", b"PREFILL", b"SAVED", b"RESTORED", b"KVSAVE_FAIL",
+                         b"WARMUP", b"nan", b"inf",
                          b"ERASED", b"PREFILLED", b"SESSION_REFUSED", b" ", b"\n", b"1", b"0", b"-3",
                          b"5", b"0.5", b"x", b"\x00", b"\xff", b"\r\n", mux.READY])
 streams = st.one_of(st.binary(max_size=300), st.lists(words, max_size=60).map(b"".join))

@@ -166,8 +166,13 @@ class StdioBridge:
         await self._write(
             mux.encode_ready()
             + mux.encode_telemetry("STAT", 0, "0.00", "0.0", f"{rss_gb():.2f}")
-            + self._hwinfo() + self._tiers() + self._emap()
+            + self._hwinfo() + self._tiers() + self._emap() + self._warmup()
         )
+
+    def _warmup(self) -> bytes:
+        """[extension] How the engine came up (servers skip a line kind they do not know)."""
+        r = self.engine.startup()
+        return mux.encode_warmup(mux.Warmup(r.ready_s, r.load_s, r.warmup_s, r.shapes, r.compiled, r.from_cache))
 
     def _emap(self) -> bytes:
         return mux.encode_telemetry("EMAP", self.experts.rows, self.experts.cols, self.experts.emap().hex())

@@ -194,10 +194,14 @@ class Server:
                 return {"status": "error", "reason": f"the engine cannot start: {failed}"}, 503
             reason = "the engine is not serving (closing, or starting again)"
             return {"status": "closing", "reason": reason}, 503
+        body = {"status": "ok"}
+        startup = self.engine.startup()
+        if startup is not None:  # time to ready, and the executables it took
+            body["startup"] = dataclasses.asdict(startup)
         split = getattr(self.engine, "split_statistics", None)  # motet serve --split
         if split is not None:  # a dead prefill engine is no outage: the decode engine reads
-            return {"status": "ok", "split": dataclasses.asdict(split())}
-        return {"status": "ok"}
+            body["split"] = dataclasses.asdict(split())
+        return body
 
     async def openapi(self):
         return openapi_document(self.settings, self.engine.name, self.engine.statistics().slots_total)

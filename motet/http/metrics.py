@@ -13,7 +13,7 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..runtime.api import TurnStats
+from ..runtime.api import StartupReport, TurnStats
 
 TIERS = ("disk", "ram", "device")  # EMAP's 2-bit tier: 0 disk, 1 host RAM, 2 device
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -39,11 +39,29 @@ class EngineCollector:
         for tier, count in zip(TIERS, experts_per_tier(self.engine.expert_state().emap)):
             experts.add_metric([tier], count)
         yield experts
+        yield from startup_metrics(self.engine.startup())
         split = getattr(self.engine, "split_statistics", None)  # motet serve --split
         if split is not None:
             for name, kind, doc, value in split().metrics():
                 family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
                 yield family(name, doc, value=value)
+
+
+def startup_metrics(report: StartupReport | None):
+    """Time to ready and the executables it took (what a mux child did not say is left out)."""
+    if report is None:
+        return
+    yield _gauge("motet_time_to_ready_seconds", "From the engine's start to ready: loading the model, "
+                 "then compiling and running every shape it serves.", report.ready_s)
+    if report.compiled is not None:
+        executables = GaugeMetricFamily("motet_startup_executables", "Executables the engine needed while "
+                                        "starting, by where they came from.", labels=["source"])
+        executables.add_metric(["compiled"], report.compiled)
+        executables.add_metric(["cache"], report.from_cache)
+        yield executables
+    if report.compiles_after_ready is not None:
+        yield _gauge("motet_executables_after_ready", "Executables needed since the engine was ready "
+                     "(a shape warm-up missed: a request waited on the compiler).", report.compiles_after_ready)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -121,3 +121,7 @@ class RestartingEngine:
 
     def expert_state(self) -> ExpertState:
         return self._experts if self._engine is None else self._engine.expert_state()
+
+    def startup(self):
+        """How the running child came up (None between two children)."""
+        return None if self._engine is None else self._engine.startup()

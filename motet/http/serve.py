@@ -93,7 +93,8 @@ async def open_engine(settings: ServeSettings, model, mirror=None):
 
         async with Engine(model, kv_slots=settings.kv_slots, max_context=settings.max_context,
                           queue_limit=settings.queue_limit, experts=settings.experts,
-                          mirror=mirror) as engine:
+                          mirror=mirror, compile_cache=settings.compile_cache,
+                          warm_up=settings.warm_up) as engine:
             yield engine
         return
     from ..mux_engine import MuxEngine

@@ -59,6 +59,8 @@ class ServeSettings:
     slot_save_path: Path | None = None  # the folder of POST /slots/{id}?action=save|restore
     # files (created when serving starts); None: those answer 501, erase still works
     split: SplitSettings | None = None  # --split: a prefill and a decode engine (split.py)
+    compile_cache: Path | None = None  # the in-process engine's JAX compilation cache; None: off
+    warm_up: bool = True  # the in-process engine compiles every shape before it serves
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:

@@ -8,12 +8,13 @@ the stdio bridge and the mux client move the bytes.
                       SAVE, RESTORE, ERASE, PREFILL  [extension] encode_save ...
     engine → server:  READY, DATA, TOPK, DONE, ERROR, telemetry lines
                                                      ResponseDecoder / encode_data ...
-                      SAVED, RESTORED, ERASED, PREFILLED, ERROR .. SESSION_REFUSED
-                                                     [extension] ExtendedResponseDecoder
+                      SAVED, RESTORED, ERASED, PREFILLED, KVSAVE_FAIL, WARMUP,
+                      ERROR .. SESSION_REFUSED       [extension] ExtendedResponseDecoder
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 READY = b"\x01\x01READY\x01\x01"
@@ -581,6 +582,21 @@ class KvSaveFail:
 
 
 @dataclass(frozen=True)
+class Warmup:
+    """`WARMUP <ready_s> <load_s> <warmup_s> <shapes> <compiled> <from_cache>`, once, at the
+    end of the start-up lines: how long the engine took to be ready (loading the model,
+    then compiling and running every shape it serves) and the executables XLA compiled
+    or took from the persistent cache meanwhile."""
+
+    ready_s: float
+    load_s: float
+    warmup_s: float
+    shapes: int
+    compiled: int
+    from_cache: int
+
+
+@dataclass(frozen=True)
 class SessionRefused:
     """`ERROR <id> SESSION_REFUSED <reason>`: a session file the engine will not restore."""
 
@@ -608,6 +624,11 @@ def encode_kvsave_fail(e: KvSaveFail) -> bytes:
     return f"KVSAVE_FAIL {e.slot} {e.failures}\n".encode()
 
 
+def encode_warmup(w: Warmup) -> bytes:
+    return (f"WARMUP {w.ready_s:.2f} {w.load_s:.2f} {w.warmup_s:.2f} {w.shapes} {w.compiled} "
+            f"{w.from_cache}\n").encode()
+
+
 def encode_session_refused(request_id: int, reason: str) -> bytes:
     """The reason on one line: its whitespace (newlines too) becomes single spaces."""
     return encode_error(request_id, "SESSION_REFUSED", " ".join(reason.split()) or "refused")
@@ -618,8 +639,8 @@ _COUNTED_REPLIES = {"SAVED": Saved, "RESTORED": Restored, "PREFILLED": Prefilled
 
 class ExtendedResponseDecoder(ResponseDecoder):
     """A ResponseDecoder that also reads motet's extension lines (TURN, LOAD_FAIL, SAVED,
-    RESTORED, ERASED, PREFILLED, KVSAVE_FAIL, ERROR .. SESSION_REFUSED), which the plain decoder skips
-    as unknown kinds (or reads as a plain Error)."""
+    RESTORED, ERASED, PREFILLED, KVSAVE_FAIL, WARMUP, ERROR .. SESSION_REFUSED), which the plain
+    decoder skips as unknown kinds (or reads as a plain Error)."""
 
     def _parse(self, kind: str, args: list[str], line: bytes):
         if kind == "TURN":
@@ -642,6 +663,13 @@ class ExtendedResponseDecoder(ResponseDecoder):
             if len(args) != 2:
                 raise ValueError("KVSAVE_FAIL takes a slot and a count")
             return KvSaveFail(_u64(args[0], "slot"), _u64(args[1], "count"))
+        if kind == "WARMUP":
+            if len(args) != 6:
+                raise ValueError("WARMUP takes three durations and three counts")
+            seconds = [float(a) for a in args[:3]]
+            if not all(math.isfinite(x) and x >= 0 for x in seconds):
+                raise ValueError("WARMUP durations are seconds, finite and not negative")
+            return Warmup(*seconds, *(_u64(a, "count") for a in args[3:]))
         if kind == "ERROR" and args[1:2] == ["SESSION_REFUSED"]:
             # The reason is free text (UTF-8): the rest of the line after the code, as written.
             reason = b"".join(line.split(None, 3)[3:]).strip()
