@@ -14,7 +14,6 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -26,24 +25,22 @@ from .actors.expert_policy import ExpertPlan, ExpertPolicy, PolicySettings, defa
 from .actors.kv_slot import KVSlot
 from .actors.runner import ModelRunner
 from .actors.scheduler import Cancel, Drain, Scheduler, StopNow, Submit, Subscribe
-from .actors.warmup import WarmupPlan
-from .model.compilation import CompileCount, CompileCounter, current_compile_cache, use_compile_cache
+from .actors.warmup import StartupClock, WarmupPlan
+from .model.compilation import current_compile_cache
 from .model.kv import KVGeometry
 from .model.model import Model
 from .model.sharding import MeshSpec
 from .model.tiered import shared_weight_bytes
-from .runtime.actor import open_reply, open_stream
+from .runtime.actor import EventStream, open_reply, open_stream
 from .runtime.api import (
     EngineStatistics,
     ExpertState,
     ExpertTiers,
-    FinishEvent,
     GenerationRequest,
     SlotFile,
     StartupReport,
     StepRouting,
     Telemetry,
-    TokenEvent,
 )
 from .runtime.collect import Collected, read_prompt
 from .runtime.config import DEFAULT_COMPILE_CACHE, ExpertSettings
@@ -55,33 +52,6 @@ log = logging.getLogger(__name__)
 
 MAX_SLOTS = 16
 PREFILL_CHUNK = 256  # tokens a prefill step reads at most (running decodes get a step between chunks)
-
-
-def _log_progress(started: float, what: str, done: int, total: int) -> None:
-    log.info("warm-up: %s (%d of %d, %.1f s)", what, done, total, time.monotonic() - started)
-
-
-class EventStream:
-    """A request's events: TokenEvents, then one FinishEvent, then the end."""
-
-    def __init__(self, request_id: int, receive: trio.MemoryReceiveChannel):
-        self.request_id = request_id
-        self._receive = receive
-        self.finish: FinishEvent | None = None
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> TokenEvent | FinishEvent:
-        if self.finish is not None:
-            raise StopAsyncIteration
-        try:
-            event = await self._receive.receive()
-        except (trio.EndOfChannel, trio.ClosedResourceError):
-            raise EngineClosed() from None
-        if isinstance(event, FinishEvent):
-            self.finish = event
-        return event
 
 
 class Engine(Service, Collected):
@@ -124,9 +94,7 @@ class Engine(Service, Collected):
         self._mirror = mirror
         self.compile_cache = compile_cache
         self.warm_up = warm_up
-        self._compiles: CompileCounter | None = None
-        self._startup: StartupReport | None = None
-        self._ready_count = CompileCount()
+        self._clock: StartupClock | None = None
         self.expert_plan: ExpertPlan | None = None
         self.heat_file: HeatFile | None = None
         self._expert_cache: ExpertCache | None = None
@@ -145,19 +113,17 @@ class Engine(Service, Collected):
     async def start(self, nursery: trio.Nursery) -> None:
         """Load the model, compile every shape it will run, and start the actors in
         `nursery`; returns once all are ready."""
-        started = time.monotonic()
         cache = self.compile_cache
         if cache == "auto":
             cache = current_compile_cache() or DEFAULT_COMPILE_CACHE
-        cache_dir = use_compile_cache(cache)
-        self._compiles = CompileCounter().start()  # stopped in _closed_now
+        self._clock = StartupClock(cache)  # stopped in _closed_now
         try:
-            await self._start(nursery, started, cache_dir)
+            await self._start(nursery)
         except BaseException:
-            self._compiles.stop()
+            self._clock.stop()
             raise
 
-    async def _start(self, nursery: trio.Nursery, started: float, cache_dir: Path | None) -> None:
+    async def _start(self, nursery: trio.Nursery) -> None:
         self.model = await trio.to_thread.run_sync(self._load)
         context = min(self.max_context, self.model.config.max_context)
         geo = KVGeometry(n_slots=self.kv_slots, max_context=context, chunk=self.prefill_chunk)
@@ -167,11 +133,11 @@ class Engine(Service, Collected):
                     prefetch=self.expert_settings.prefetch, rank=policy.rank() if policy else None,
                     mesh=self.mesh, mirror=self._mirror)
         )
-        loaded = time.monotonic()
+        self._clock.loaded = time.monotonic()
         plan = self.warmup_plan(geo)
         if self.warm_up:
-            await trio.to_thread.run_sync(runner.warm_up, plan, partial(_log_progress, started))
-        warmed = time.monotonic()
+            await trio.to_thread.run_sync(runner.warm_up, plan, self._clock.progress)
+        self._clock.warmed = time.monotonic()
         if policy is not None:
             self._expert_cache = ExpertCache(policy, tiered=self.expert_plan.mode == "tiered",
                                              heat_file=self.heat_file)
@@ -186,15 +152,7 @@ class Engine(Service, Collected):
         await nursery.start(self._watch_experts)
         self._nursery = nursery
         self.session_header = sessions.session_header(self.model, context)
-        self._ready_count = self._compiles.now()
-        self._startup = StartupReport(
-            ready_s=time.monotonic() - started, load_s=loaded - started, warmup_s=warmed - loaded,
-            shapes=len(plan.shapes) if self.warm_up else 0, compiled=self._ready_count.compiled,
-            from_cache=self._ready_count.from_cache, cache_dir=None if cache_dir is None else str(cache_dir),
-        )
-        log.info("ready in %.1f s (model %.1f s; %d shapes in %.1f s: %d executables compiled, %d from the "
-                 "cache)", self._startup.ready_s, self._startup.load_s, self._startup.shapes,
-                 self._startup.warmup_s, self._startup.compiled, self._startup.from_cache)
+        self._clock.ready(len(plan.shapes) if self.warm_up else 0)
 
     async def _watch_experts(self, *, task_status=trio.TASK_STATUS_IGNORED):
         channel = await self.telemetry(buffer=1024)
@@ -216,11 +174,8 @@ class Engine(Service, Collected):
 
     def startup(self) -> StartupReport | None:
         """How this engine started (None before it is ready), with the executables
-        compiled since it became ready: 0 unless some shape was missed."""
-        if self._startup is None:
-            return None
-        since = self._compiles.now() - self._ready_count if self._compiles is not None else CompileCount()
-        return replace(self._startup, compiles_after_ready=since.requests)
+        needed since it became ready: 0 unless some shape was missed."""
+        return None if self._clock is None else self._clock.now()
 
     def _load(self) -> Model:
         if isinstance(self._model_arg, Model):
@@ -266,8 +221,8 @@ class Engine(Service, Collected):
 
     def _closed_now(self) -> None:
         self._closed = True
-        if self._compiles is not None:
-            self._compiles.stop()
+        if self._clock is not None:
+            self._clock.stop()
 
     async def drain(self) -> None:
         """Refuse new requests and wait until every request in flight has finished."""

@@ -1,17 +1,25 @@
-"""What an engine compiles before it says it is ready: every shape its runner can run.
+"""What an engine compiles before it says it is ready: every shape its runner can run;
+and the record of how the start went.
 
 A request must never wait on a compiler, so the set is closed: each device call pads its
 inputs to one of a few sizes that the KV geometry (model/kv.py) and the expert pool
 (model/expert_pool.py) list, and the runner compiles and runs each of them once at start
-(ModelRunner.warm_up). Plain data, no JAX: `motet info` prints the plan without a device.
+(ModelRunner.warm_up). The plan is plain data: `motet info` prints it without a device.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
 
+from ..model.compilation import CompileCount, CompileCounter, use_compile_cache
 from ..model.expert_pool import move_sizes
 from ..model.kv import KVGeometry
+from ..runtime.api import StartupReport
+
+log = logging.getLogger("motet.engine")
 
 PREFILL, DECODE, SLOT_WIDTH, EXPERT_MOVE = "prefill", "decode", "slot", "experts"
 
@@ -56,3 +64,41 @@ class WarmupPlan:
             if sizes:
                 lines.append(f"{len(sizes)} {what}: {', '.join(map(str, sizes))} {_UNITS[kind]}")
         return lines
+
+
+class StartupClock:
+    """An engine's start from its first step to ready: the compilation cache turned on
+    first, then every executable JAX needs counted (stop() ends the count), the times
+    of the phases, and the executables needed after ready (0 unless a shape was missed)."""
+
+    def __init__(self, compile_cache: Path | None):
+        self.started = time.monotonic()
+        self.cache_dir = use_compile_cache(compile_cache)
+        self.counter = CompileCounter().start()
+        self.loaded = self.warmed = self.started
+        self.report: StartupReport | None = None
+        self._at_ready = CompileCount()
+
+    def progress(self, what: str, done: int, total: int) -> None:
+        """A line on stderr per warm-up step (ModelRunner.warm_up's progress)."""
+        log.info("warm-up: %s (%d of %d, %.1f s)", what, done, total, time.monotonic() - self.started)
+
+    def ready(self, shapes: int) -> StartupReport:
+        self._at_ready = count = self.counter.now()
+        self.report = StartupReport(
+            ready_s=time.monotonic() - self.started, load_s=self.loaded - self.started,
+            warmup_s=self.warmed - self.loaded, shapes=shapes, compiled=count.compiled,
+            from_cache=count.from_cache, cache_dir=None if self.cache_dir is None else str(self.cache_dir))
+        r = self.report
+        log.info("ready in %.1f s (model %.1f s; %d shapes in %.1f s: %d executables compiled, %d from the "
+                 "cache)", r.ready_s, r.load_s, r.shapes, r.warmup_s, r.compiled, r.from_cache)
+        return r
+
+    def now(self) -> StartupReport | None:
+        """The report with the executables needed since ready (None before ready)."""
+        if self.report is None:
+            return None
+        return replace(self.report, compiles_after_ready=(self.counter.now() - self._at_ready).requests)
+
+    def stop(self) -> None:
+        self.counter.stop()

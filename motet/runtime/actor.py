@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 import trio
 
+from .api import FinishEvent, TokenEvent
+from .errors import EngineClosed
+
 # An inbox holds this many messages; a sender past it waits (backpressure), it is never dropped.
 INBOX_SIZE = 256
 
@@ -32,3 +35,26 @@ def open_stream() -> tuple[trio.MemorySendChannel, trio.MemoryReceiveChannel]:
     """A request's event stream. Unbounded, so a slow reader never stalls the scheduler;
     its size is bounded by the request's max_tokens."""
     return trio.open_memory_channel(math.inf)
+
+
+class EventStream:
+    """A request's events: TokenEvents, then one FinishEvent, then the end."""
+
+    def __init__(self, request_id: int, receive: trio.MemoryReceiveChannel):
+        self.request_id = request_id
+        self._receive = receive
+        self.finish: FinishEvent | None = None
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenEvent | FinishEvent:
+        if self.finish is not None:
+            raise StopAsyncIteration
+        try:
+            event = await self._receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise EngineClosed() from None
+        if isinstance(event, FinishEvent):
+            self.finish = event
+        return event
