@@ -159,8 +159,9 @@ async def test_a_full_disk_when_persisting_is_counted_and_every_turn_still_answe
     # cache (it writes large files), and stderr a pipe (a file would meet the limit too).
     # The limit is set with prlimit once the child runs (before READY, so before any slot
     # write), not with a preexec_fn, which would fork this multithreaded (JAX) process.
+    # Without a cache, the warm-up is off too: it would compile every shape of the child.
     kv = tmp_path / "kv"
-    command = (sys.executable, "-m", "motet", "mux", "--compile-cache", "")
+    command = (sys.executable, "-m", "motet", "mux", "--compile-cache", "", "--no-warm-up")
     stderr = bytearray()
     with trio.fail_after(TIMEOUT):
         process = await trio.lowlevel.open_process(
