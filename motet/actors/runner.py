@@ -46,6 +46,8 @@ class SamplingRow:
 
 # What a padding row of a batch samples (greedy; the result is dropped).
 FILLER_ROW = SamplingRow(0.0, 1.0, np.zeros(2, np.uint32), False)
+# What the warm-up's decode rows sample.
+WARM_ROW = SamplingRow(0.7, 0.9, np.zeros(2, np.uint32), True)
 
 
 # The records a mirror frame may carry (protocol/mirror.py).
@@ -261,14 +263,13 @@ class ModelRunner:
                 logits, self.kv = self.tiered.warm_prefill(self.kv, geo, n, offset)
                 self._sample(logits[None], [FILLER_ROW], np.zeros((1, 0, 0), np.int32))
         elif shape.kind == DECODE:
-            position = min(ATTN_BLOCK, geo.max_context - 1)
-            for want_top in (False, True):
-                row = replace(FILLER_ROW, want_top=want_top)
-                if self.tiered is None:
-                    self.decode([0] * n, [scratch] * n, [position] * n, [row] * n)
-                else:
-                    logits, self.kv = self.tiered.warm_decode(self.kv, geo, n, position)
-                    self._sample(logits, [row] * n, np.zeros((n, 0, 0), np.int32))
+            # sampled, with top-p and top candidates: every branch of the sampler runs
+            position, row = min(ATTN_BLOCK, geo.max_context - 1), WARM_ROW
+            if self.tiered is None:
+                self.decode([0] * n, [scratch] * n, [position] * n, [row] * n)
+            else:
+                logits, self.kv = self.tiered.warm_decode(self.kv, geo, n, position)
+                self._sample(logits, [row] * n, np.zeros((n, 0, 0), np.int32))
         elif shape.kind == SLOT_WIDTH:
             pairs = self.read_layers(scratch, 0, 1, n)
             self.write_layers(scratch, 0, pairs)
