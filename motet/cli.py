@@ -21,7 +21,9 @@ log = logging.getLogger("motet")
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None,
                    help="a .gguf file or a Hugging Face model directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="auto: a quantized GGUF's weights stay quantized (computed in float32); "
+                        "float32 or bfloat16: every weight dequantized to that type")
     p.add_argument("--max-context", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--compile-cache", type=Path,
                    default=Path(os.environ.get("MOTET_COMPILE_CACHE", DEFAULT_COMPILE_CACHE)),
@@ -186,11 +188,19 @@ def cmd_info(args) -> int:
     from .engine import PREFILL_CHUNK
     from .model.kv import KVGeometry
 
+    from .model.loader import kernel_name
+
     model = open_model(model_settings(args))
     info = model.info()
+    formats = info.pop("tensor_formats")
     width = max(map(len, info))
     for key, value in info.items():
         print(f"{key:<{width}}  {value}")
+    print(f"tensors (quantized products: {kernel_name()}):")
+    for group, g in formats.items():
+        print(f"  {group:<16} {'+'.join(g['formats']):<12} {g['values']:>12,} values {g['bytes']:>14,} bytes "
+              f"({8 * g['bytes'] / g['values']:.2f} bits each)")
+    print(f"bytes read per decode token: {info['decode_bytes'] / 1e6:.1f} MB of weights")
     context = min(args.max_context or 4096, model.config.max_context)
     geo = KVGeometry(n_slots=args.kv_slots, max_context=context, chunk=PREFILL_CHUNK)
     print(f"compiled before ready ({args.kv_slots} KV slots, context {context}, prefill chunks of "

@@ -61,7 +61,7 @@ class Engine(Service, Collected):
         *,
         kv_slots: int = MAX_SLOTS,
         max_context: int = 4096,
-        dtype: str = "float32",
+        dtype: str = "auto",
         prefill_chunk: int = PREFILL_CHUNK,
         queue_limit: int = 64,
         experts: ExpertSettings | None = None,

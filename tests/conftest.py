@@ -60,7 +60,7 @@ def default_model_file() -> Path:
 
 @pytest.fixture(scope="session")
 def default_model(default_model_file):
-    """SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32), loaded once."""
+    """SmolLM2-135M-Instruct (Q4_1 GGUF, its weights kept quantized), loaded once."""
     from motet.model import load_model
 
     return load_model(default_model_file)

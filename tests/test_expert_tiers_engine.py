@@ -19,7 +19,8 @@ from motet.engine import Engine
 from motet.protocol import mux
 from motet.runtime.config import ExpertSettings
 
-TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16)
+# no warm-up: tests/test_warm_start.py and tests/test_mesh.py cover the tiered one
+TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16, warm_up=False)
 TIMEOUT = 240
 PROMPTS = ("the sea is", "rivers run to", "once upon a time there was a")
 
@@ -117,7 +118,8 @@ def run_mux(args=(), env=None, stdin: bytes = b""):
     environ = {**os.environ, "SNAP": str(GOLDEN / "olmoe"), "SERVE": "1", "SERVE_BATCH": "1",
                "KV_SLOTS": "2", "CTX": "256", **(env or {})}
     proc = subprocess.run(
-        [sys.executable, "-m", "motet", "mux", "--compile-cache", str(REPO / ".jax_cache" / "tests"), *args],
+        [sys.executable, "-m", "motet", "mux", "--compile-cache", str(REPO / ".jax_cache" / "tests"),
+         "--no-warm-up", *args],
         input=stdin, capture_output=True, env=environ, timeout=300, cwd=REPO,
     )
     return proc, mux.ResponseDecoder().feed(proc.stdout)

@@ -19,7 +19,11 @@ def submit(rid: int, slot: int, max_tokens: int = 8, prompt: bytes = PROMPT, ext
     return f"SUBMIT {rid} {slot} {len(prompt)} {max_tokens} 0 1{extra}\n".encode() + prompt + b"\n"
 
 
-def run_mux(stdin: bytes, *, env: dict | None = None, args=(), decoder=mux.ResponseDecoder) -> tuple[int, list, bytes]:
+def run_mux(stdin: bytes, *, env: dict | None = None, args=(), decoder=mux.ResponseDecoder,
+            warm_up: bool = False) -> tuple[int, list, bytes]:
+    """A `motet mux` child fed `stdin`; it skips the warm-up (tested once, below) unless
+    warm_up, as the protocol is what these tests are about."""
+    args = (*args, *([] if warm_up else ["--no-warm-up"]))
     environ = {**os.environ, "SNAP": str(GOLDEN / "llama"), "SERVE": "1", "SERVE_BATCH": "1",
                "KV_SLOTS": "2", "CTX": "256", **(env or {})}
     proc = subprocess.run(
@@ -37,7 +41,8 @@ class MuxProcess:
         environ = {**os.environ, "SNAP": str(GOLDEN / "llama"), "SERVE": "1", "SERVE_BATCH": "1",
                    "KV_SLOTS": "2", "CTX": "256", **(env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "motet", "mux", "--compile-cache", str(REPO / ".jax_cache" / "tests")],
+            [sys.executable, "-m", "motet", "mux", "--compile-cache", str(REPO / ".jax_cache" / "tests"),
+             "--no-warm-up"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=environ, cwd=REPO,
         )
         self.decoder, self.events = mux.ResponseDecoder(), []
@@ -90,7 +95,7 @@ def test_handshake_generation_and_eof():
 
 def test_ready_comes_after_the_warm_up_and_says_how_it_went():
     """[extension] WARMUP ends the start-up lines (a plain server skips it, above)."""
-    _, events, stderr = run_mux(b"", decoder=mux.ExtendedResponseDecoder)
+    _, events, stderr = run_mux(b"", decoder=mux.ExtendedResponseDecoder, warm_up=True)
     assert [type(e) for e in events[:6]] == [mux.Ready, *[mux.Telemetry] * 4, mux.Warmup]
     warmup = events[5]
     assert warmup.shapes > 0 and warmup.compiled + warmup.from_cache > warmup.shapes

@@ -73,6 +73,9 @@ def header_variants(header):
     yield "max_context", dataclasses.replace(header, max_context=header.max_context * 2)
     yield "rope_theta", dataclasses.replace(header, rope_theta=header.rope_theta + 1)
     yield "settings", dataclasses.replace(header, settings={"backend": "tpu"})
+    # KV computed from a file's quantized weights is not what its float32 copy computes
+    assert dict(header.settings)["weights"] == "float32"
+    yield "weights", dataclasses.replace(header, settings={**dict(header.settings), "weights": "quantized"})
 
 
 async def test_a_mismatched_or_damaged_file_is_refused_and_the_slot_keeps_its_kv(llama, tmp_path):

@@ -341,7 +341,8 @@ def fingerprint(model: Model) -> str:
     """What the processes of a group must have loaded alike: the model's geometry, its
     dtype and the mesh its weights are on."""
     mesh = mesh_of(model.weights)
-    what = (model.config, str(model.weights["lm_head"].dtype), None if mesh is None else dict(mesh.shape))
+    what = (model.config, str(model.weights["lm_head"].dtype), None if mesh is None else dict(mesh.shape),
+            model.weight_format)
     return hashlib.sha256(repr(what).encode()).hexdigest()[:16]
 
 

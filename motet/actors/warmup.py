@@ -26,7 +26,7 @@ PREFILL, DECODE, SLOT_WIDTH, EXPERT_MOVE = "prefill", "decode", "slot", "experts
 _UNITS = {PREFILL: "tokens", DECODE: "rows", SLOT_WIDTH: "positions", EXPERT_MOVE: "experts"}
 _WHAT = {
     PREFILL: "prefill chunks (the step, its KV write, sampling the first token)",
-    DECODE: "decode batches (the step, its KV write, sampling with and without top logprobs)",
+    DECODE: "decode batches (the step, its KV write, sampling with top-p and top logprobs)",
     SLOT_WIDTH: "slot reads and writes (sessions, handovers)",
     EXPERT_MOVE: "expert uploads and copies back (tiered pools)",
 }

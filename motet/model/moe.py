@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from .config import ModelConfig
+from .quant import matmul
 from .sharding import EP, TP
 
 MOE_IMPLS = ("auto", "grouped", "ragged")
@@ -137,5 +138,5 @@ def moe_ffn(cfg: ModelConfig, layer: dict, x: jax.Array, impl: str = "auto", mes
 
 def dense_ffn(layer: dict, x: jax.Array, mesh: Mesh | None = None) -> jax.Array:
     """mesh: inside shard_map, gate_up column- and down row-parallel over tp, then a psum."""
-    y = jnp.dot(swiglu(jnp.dot(x, layer["w_gate_up"])), layer["w_down"])
+    y = matmul(swiglu(matmul(x, layer["w_gate_up"])), layer["w_down"])
     return jax.lax.psum(y, TP) if mesh is not None and mesh.shape[TP] > 1 else y

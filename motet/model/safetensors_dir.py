@@ -136,6 +136,10 @@ class SafetensorsSource:
                 if canon is not None and canon not in self.files:
                     raise ModelFileError(f"{model_dir / shard}: tensor {hf_name!r} listed in the index is missing")
 
+    def get_packed(self, name: str) -> None:
+        """Hugging Face checkpoints hold floats."""
+        return None
+
     def describe(self, name: str) -> str:
         if name in self.files:
             st, hf_name = self.files[name]

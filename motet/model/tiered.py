@@ -27,6 +27,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from .forward import attend_chunk, attend_rows, embed, lm_head, qkv, rms_norm
 from .moe import dense_ffn, experts_grouped, experts_ragged, group_block, local_experts, route
+from .quant import matmul
 from .sharding import EP, LEAF_SPECS, TP
 
 EXPERT_KEYS = ("experts_gate_up", "experts_down")
@@ -56,7 +57,7 @@ def _guess(cfg, x, nxt):
 def _after_attention(cfg, layer, x, out, nxt):
     """Residual add, then for a MoE layer its routing (and the guess for the next one),
     for a dense layer its FFN."""
-    x = x + jnp.dot(out, layer["wo"])
+    x = x + matmul(out, layer["wo"])
     h = rms_norm(x, layer["ffn_norm"], cfg.rms_eps)
     if "router" not in layer:
         return x + dense_ffn(layer, h), None, None, None, None

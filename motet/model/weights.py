@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 
 from .config import ModelConfig
 from .errors import ModelFileError
+from .quant import QTensor, reorder_rows, stack_rows
 from .sharding import place_leaf
 
 
@@ -35,6 +36,11 @@ class TensorSource(Protocol):
 
     def describe(self, name: str) -> str:
         """Where a tensor lives, for errors: the file and the tensor's own name."""
+        ...
+
+    def get_packed(self, name: str) -> QTensor | None:
+        """The tensor still quantized, as a host QTensor [rows, columns], or None where
+        the file holds it as floats."""
         ...
 
 
@@ -48,13 +54,32 @@ def _get(source: TensorSource, name: str, shape: tuple[int, ...]) -> np.ndarray:
     return np.asarray(w, dtype=np.float32)
 
 
+def _matrix(source: TensorSource, parts: list[tuple[str, tuple[int, int]]], quantized: bool):
+    """The rows of `parts` ([out, in] each, as files hold them) as one matrix: a QTensor
+    [out, in] when quantized and the file holds every part quantized, else float32
+    [in, out] (x @ W)."""
+    if quantized:
+        packed = [source.get_packed(name) for name, _ in parts]
+        if all(p is not None for p in packed):
+            for p, (name, shape) in zip(packed, parts):
+                if p.shape != shape:
+                    raise ModelFileError(f"{source.describe(name)} has shape {p.shape}, "
+                                         f"expected {shape} from the model's config")
+            return packed[0] if len(packed) == 1 else stack_rows(packed)
+    return np.concatenate([_get(source, name, shape) for name, shape in parts]).T
+
+
 def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, experts: bool = True,
-                 mesh: Mesh | None = None) -> dict:
+                 mesh: Mesh | None = None, quantized: bool = False) -> dict:
     """experts=False leaves the experts out (a tiered model reads them one by one from
     the source when the expert pool needs them); the routers are always packed.
-    mesh: place every leaf in its shards on the mesh (sharding.py) instead of one device."""
+    mesh: place every leaf in its shards on the mesh (sharding.py) instead of one device.
+    quantized: keep the projections, the embedding and the LM head as the file
+    quantized them (QTensor, quant.py); the experts and norms stay float32."""
     if mesh is None:
-        def put(name: str, array: np.ndarray, dtype) -> jax.Array:
+        def put(name: str, array, dtype) -> jax.Array:
+            if isinstance(array, QTensor):
+                return jax.device_put(array)
             return jnp.asarray(array, dtype=dtype)
     else:
         def put(name: str, array: np.ndarray, dtype) -> jax.Array:
@@ -63,31 +88,27 @@ def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, expe
     d, hd = cfg.hidden_size, cfg.head_dim
     q_out, kv_out = cfg.n_heads * hd, cfg.n_kv_heads * hd
     f32 = jnp.float32
-    embed = _get(source, "embed", (cfg.vocab_size, d))
     # x @ W with W [d, V] is XLA:CPU's fastest form of the head's GEMV (a [V, d] operand
-    # runs at about half the bandwidth), so a tied model keeps only this copy.
-    head = embed if cfg.tie_embeddings else _get(source, "lm_head", (cfg.vocab_size, d))
+    # runs at about half the bandwidth), so a tied model keeps only this copy; a
+    # quantized one keeps its [V, d] rows, which the kernels read.
+    embed = _matrix(source, [("embed", (cfg.vocab_size, d))], quantized)
+    head = embed if cfg.tie_embeddings else _matrix(source, [("lm_head", (cfg.vocab_size, d))], quantized)
     weights: dict = {
-        "lm_head": put("lm_head", head.T, dtype),
+        "lm_head": put("lm_head", head, dtype),
         "final_norm": put("final_norm", _get(source, "final_norm", (d,)), f32),
         "layers": [],
     }
     if not cfg.tie_embeddings:
-        weights["embed"] = put("embed", embed, dtype)
+        weights["embed"] = put("embed", embed if isinstance(embed, QTensor) else embed.T, dtype)
     del embed, head
     for i in range(cfg.n_layers):
         p = f"{i}."
-        qkv = np.concatenate(
-            [
-                _get(source, p + "q", (q_out, d)),
-                _get(source, p + "k", (kv_out, d)),
-                _get(source, p + "v", (kv_out, d)),
-            ]
-        )
+        qkv = _matrix(source, [(p + "q", (q_out, d)), (p + "k", (kv_out, d)), (p + "v", (kv_out, d))],
+                      quantized)
         layer = {
             "attn_norm": put("attn_norm", _get(source, p + "attn_norm", (d,)), f32),
-            "wqkv": put("wqkv", qkv.T, dtype),
-            "wo": put("wo", _get(source, p + "o", (d, q_out)).T, dtype),
+            "wqkv": put("wqkv", qkv, dtype),
+            "wo": put("wo", _matrix(source, [(p + "o", (d, q_out))], quantized), dtype),
             "ffn_norm": put("ffn_norm", _get(source, p + "ffn_norm", (d,)), f32),
         }
         del qkv
@@ -112,18 +133,59 @@ def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, expe
             )
         else:
             ff = cfg.intermediate_size
-            gate_up = np.concatenate(
-                [_get(source, p + "gate", (ff, d)), _get(source, p + "up", (ff, d))]
-            )
-            layer["w_gate_up"] = put("w_gate_up", gate_up.T, dtype)
-            layer["w_down"] = put("w_down", _get(source, p + "down", (d, ff)).T, dtype)
+            gate_up = _matrix(source, [(p + "gate", (ff, d)), (p + "up", (ff, d))], quantized)
+            layer["w_gate_up"] = put("w_gate_up", gate_up, dtype)
+            layer["w_down"] = put("w_down", _matrix(source, [(p + "down", (d, ff))], quantized), dtype)
         weights["layers"].append(layer)
     return weights
 
 
+def _leaves(weights: dict) -> list:
+    return jax.tree_util.tree_leaves(weights, is_leaf=lambda x: isinstance(x, QTensor))
+
+
 def count_parameters(weights: dict) -> int:
-    return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(weights))
+    return sum(int(np.prod(x.shape)) for x in _leaves(weights))
 
 
 def weight_bytes(weights: dict) -> int:
-    return sum(x.nbytes for x in jax.tree_util.tree_leaves(weights))
+    return sum(x.nbytes for x in _leaves(weights))
+
+
+def weight_formats(weights: dict) -> dict[str, dict]:
+    """Per tensor group (wqkv, wo, lm_head, ...): its formats, values and bytes."""
+    groups: dict[str, dict] = {}
+
+    def visit(name: str, leaf) -> None:
+        fmt = leaf.source or leaf.layout if isinstance(leaf, QTensor) else str(np.dtype(leaf.dtype))
+        group = groups.setdefault(name, {"formats": set(), "values": 0, "bytes": 0})
+        group["formats"].add(fmt)
+        group["values"] += int(np.prod(leaf.shape))
+        group["bytes"] += leaf.nbytes
+
+    for name, leaf in weights.items():
+        if name != "layers":
+            visit(name, leaf)
+    for layer in weights["layers"]:
+        for name, leaf in layer.items():
+            visit(name, leaf)
+    return {name: {**g, "formats": sorted(g["formats"])} for name, g in groups.items()}
+
+
+def decode_bytes(cfg: ModelConfig, weights: dict) -> int:
+    """The weight bytes one decode token reads: every matrix but the embedding (one row
+    of it), and of each MoE layer's experts only the k a token is routed to."""
+    total = 0
+    for name, leaf in weights.items():
+        if name == "layers":
+            continue
+        total += leaf.nbytes // leaf.shape[0] if name == "embed" else leaf.nbytes
+    share = cfg.n_experts_per_tok / max(cfg.n_experts, 1)
+    for layer in weights["layers"]:
+        for name, leaf in layer.items():
+            total += int(leaf.nbytes * share) if name.startswith("experts_") else leaf.nbytes
+    return total
+
+
+def is_quantized(weights: dict) -> bool:
+    return any(isinstance(x, QTensor) for x in _leaves(weights))

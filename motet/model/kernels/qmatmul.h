@@ -1,0 +1,28 @@
+// Quantized matrix products for XLA:CPU, which fuses no dequantization into its dot.
+// out[m, n] = sum_k x[m, k] * w[n, k], with w stored as the repacked layouts of
+// motet/model/quant.py; one weight value is q * scale + min over its block.
+#pragma once
+#include <cstdint>
+
+namespace motet_qmatmul {
+
+enum Kind : int { Q4 = 0, Q8 = 1 };
+
+struct QWeights {
+  int kind;               // Q4: two 4-bit values a byte; Q8: one int8 a byte
+  int block;              // values per scale: 32 for Q4, 16 or 32 for Q8
+  int64_t n, k;           // rows (outputs) and columns (inputs)
+  const uint8_t* values;  // Q4 [n, k/2] (byte i of a block: value i low, i+16 high); Q8 [n, k]
+  const float* scale;     // [n, k/block]
+  const float* min;       // [n, k/block], or null for none
+};
+
+using Impl = void (*)(const QWeights&, const float* x, int64_t m, float* out);
+
+namespace base { void qmatmul(const QWeights&, const float*, int64_t, float*); }
+#if defined(__x86_64__)
+namespace avx2 { void qmatmul(const QWeights&, const float*, int64_t, float*); }
+namespace avx512 { void qmatmul(const QWeights&, const float*, int64_t, float*); }
+#endif
+
+}  // namespace motet_qmatmul

@@ -1,0 +1,22 @@
+// The kernels for any CPU: the compiler's baseline vectors (SSE2 on x86-64).
+#include "qmatmul_headers.h"
+#define VW 4
+#define NS base
+namespace motet_qmatmul::base {
+namespace {
+typedef float vf __attribute__((vector_size(VW * 4)));
+inline vf int8s(const uint8_t* p) {
+  vf v;
+  for (int i = 0; i < VW; ++i) v[i] = static_cast<float>(static_cast<int8_t>(p[i]));
+  return v;
+}
+inline void nibbles(const uint8_t* p, vf& lo, vf& hi) {
+  for (int i = 0; i < VW; ++i) {
+    lo[i] = static_cast<float>(p[i] & 15);
+    hi[i] = static_cast<float>(p[i] >> 4);
+  }
+}
+}  // namespace
+}  // namespace motet_qmatmul::base
+#define MOTET_VF motet_qmatmul::base::vf
+#include "qmatmul_body.inc"

@@ -1,0 +1,94 @@
+// The XLA FFI handler (registered from motet/model/native.py) and the run-time choice
+// of instruction set.
+#include <cstring>
+
+#include "qmatmul.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using motet_qmatmul::Impl;
+using motet_qmatmul::QWeights;
+
+namespace {
+
+struct Choice {
+  const char* name;
+  Impl impl;
+};
+
+Choice best_for_this_cpu() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return {"avx512", motet_qmatmul::avx512::qmatmul};
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return {"avx2", motet_qmatmul::avx2::qmatmul};
+#endif
+  return {"base", motet_qmatmul::base::qmatmul};
+}
+
+Choice& chosen() {
+  static Choice choice = best_for_this_cpu();
+  return choice;
+}
+
+ffi::Error QMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::Buffer<ffi::F32> scale,
+                   ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> out, int64_t kind,
+                   int64_t block, int64_t has_min) {
+  const auto xd = x.dimensions();
+  const auto vd = values.dimensions();
+  if (xd.size() < 1 || vd.size() != 2) return ffi::Error::InvalidArgument("qmatmul: bad ranks");
+  const int64_t k = xd.back(), n = vd[0];
+  const int64_t m = k ? static_cast<int64_t>(x.element_count()) / k : 0;
+  const int64_t row_bytes = kind == motet_qmatmul::Q4 ? k / 2 : k;
+  if (vd[1] != row_bytes || k % block != 0 || (kind == motet_qmatmul::Q4 && block != 32) ||
+      static_cast<int64_t>(scale.element_count()) != n * (k / block) ||
+      (has_min && mins.element_count() != scale.element_count()) ||
+      static_cast<int64_t>(out->element_count()) != m * n)
+    return ffi::Error::InvalidArgument("qmatmul: shapes do not agree");
+  const QWeights w{static_cast<int>(kind), static_cast<int>(block), n, k,
+                   static_cast<const uint8_t*>(values.untyped_data()), scale.typed_data(),
+                   has_min ? mins.typed_data() : nullptr};
+  chosen().impl(w, x.typed_data(), m, out->typed_data());
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetQMatmul, QMatmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("kind")
+                                  .Attr<int64_t>("block")
+                                  .Attr<int64_t>("has_min"));
+
+extern "C" {
+// The instruction set the kernels use ("avx512", "avx2" or "base").
+const char* motet_qmatmul_isa() { return chosen().name; }
+
+// Use `name` instead, for tests that compare every instruction set this CPU has;
+// returns 0 where the CPU lacks it.
+int motet_qmatmul_select(const char* name) {
+  const Choice best = best_for_this_cpu();
+  const char* order[] = {"avx512", "avx2", "base"};
+  bool reachable = false;
+  for (const char* isa : order) {
+    if (std::strcmp(isa, best.name) == 0) reachable = true;
+    if (reachable && std::strcmp(isa, name) == 0) {
+#if defined(__x86_64__)
+      if (std::strcmp(name, "avx512") == 0) chosen() = {"avx512", motet_qmatmul::avx512::qmatmul};
+      else if (std::strcmp(name, "avx2") == 0) chosen() = {"avx2", motet_qmatmul::avx2::qmatmul};
+      else
+#endif
+        chosen() = {"base", motet_qmatmul::base::qmatmul};
+      return 1;
+    }
+  }
+  return 0;
+}
+}

@@ -1,0 +1,67 @@
+"""The native CPU kernels (kernels/*.cc): found beside this module, where the install
+built them, and registered with XLA once.
+
+The install builds them with the machine's C++ compiler (setup.py); where it could
+not, `available()` is False and quantized products take the XLA path (quant.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import logging
+from functools import cache
+from pathlib import Path
+
+import jax
+
+log = logging.getLogger(__name__)
+
+QMATMUL = "motet_qmatmul"
+LIBRARY = "_qmatmul"
+
+
+def library_path() -> Path | None:
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"{LIBRARY}{suffix}"
+        if path.exists():
+            return path
+    return None
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    path = library_path()
+    if path is None:
+        log.info("the native quantized kernels were not built; quantized weights use the XLA path")
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        log.warning("cannot load %s (%s); quantized weights use the XLA path", path, exc)
+        return None
+    lib.motet_qmatmul_isa.restype = ctypes.c_char_p
+    lib.motet_qmatmul_select.argtypes = [ctypes.c_char_p]
+    jax.ffi.register_ffi_target(QMATMUL, jax.ffi.pycapsule(lib.MotetQMatmul), platform="cpu")
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def instruction_set() -> str | None:
+    """What the kernels run on this CPU: "avx512", "avx2" or "base"."""
+    lib = _library()
+    return None if lib is None else lib.motet_qmatmul_isa().decode()
+
+
+def select_instruction_set(name: str) -> bool:
+    """Run the kernels with `name` from now on (tests compare every one the CPU has);
+    False where this CPU lacks it."""
+    lib = _library()
+    return lib is not None and bool(lib.motet_qmatmul_select(name.encode()))
+
+
+INSTRUCTION_SETS = ("avx512", "avx2", "base")

@@ -1,0 +1,176 @@
+"""Quantized weights: a small pytree of packed values and per-block scales, and the one
+matrix product every projection, expert and LM head goes through.
+
+A `QTensor` stands for a float32 matrix [..., N, K] (rows are outputs, as GGUF stores
+them), kept as one of two layouts:
+  q4  values uint8 [..., N, K/2]: in each block of 32, byte i holds value i in its low
+      nibble and value i + 16 in its high one; block 32
+  q8  values int8 [..., N, K]; block 16 or 32
+with scale float32 [..., N, K/block] and, where the format has one, min likewise: a
+weight is q · scale + min. Every GGUF type motet reads repacks into one of these
+exactly (gguf_quants.py), so no value of the file changes.
+
+`matmul(x, w)` takes a QTensor or a plain [K, N] array. On the CPU a QTensor goes to
+the native kernel (kernels/, through jax.ffi) where it was built; elsewhere, and
+where it was not, the block is dequantized inside the jitted computation, which GPUs
+fuse into the dot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import native
+
+F32 = jnp.float32
+LAYOUTS = ("q4", "q8")
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class QTensor:
+    values: jax.Array | np.ndarray
+    scale: jax.Array | np.ndarray
+    min: jax.Array | np.ndarray | None
+    layout: str = field(metadata=dict(static=True))
+    block: int = field(metadata=dict(static=True))
+    # the file's type ("Q4_K", ...), for `motet info`
+    source: str = field(default="", metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The float matrix it stands for."""
+        return (*self.scale.shape[:-1], self.scale.shape[-1] * self.block)
+
+    @property
+    def dtype(self):
+        """What its products are computed in."""
+        return np.dtype(np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.values, self.scale, self.min) if a is not None)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+
+def dequantize(w: QTensor, dtype=F32) -> jax.Array:
+    """The float matrix [..., N, K] (jnp; used inside jitted code and by tests)."""
+    lead = w.values.shape[:-1]
+    if w.layout == "q4":
+        v = w.values.reshape(*lead, -1, 16)
+        q = jnp.concatenate([v & 15, v >> 4], axis=-1)
+    else:
+        q = w.values.reshape(*lead, -1, w.block)
+    out = q.astype(dtype) * w.scale[..., None].astype(dtype)
+    if w.min is not None:
+        out = out + w.min[..., None].astype(dtype)
+    return out.reshape(*lead, -1)
+
+
+def dequantize_host(w: QTensor) -> np.ndarray:
+    """The same in numpy, for the float32 path and tests."""
+    lead = w.values.shape[:-1]
+    values = np.asarray(w.values)
+    if w.layout == "q4":
+        v = values.reshape(*lead, -1, 16)
+        q = np.concatenate([v & 15, v >> 4], axis=-1)
+    else:
+        q = values.reshape(*lead, -1, w.block)
+    out = q.astype(np.float32) * np.asarray(w.scale)[..., None]
+    if w.min is not None:
+        out += np.asarray(w.min)[..., None]
+    return out.reshape(*lead, -1)
+
+
+def _xla_matmul(x: jax.Array, w: QTensor) -> jax.Array:
+    return jnp.einsum("...k,nk->...n", x, dequantize(w, x.dtype), preferred_element_type=F32)
+
+
+def _native_matmul(x: jax.Array, w: QTensor) -> jax.Array:
+    n = w.values.shape[0]
+    mins = w.min if w.min is not None else jnp.zeros((0,), F32)
+    call = jax.ffi.ffi_call(native.QMATMUL, jax.ShapeDtypeStruct((*x.shape[:-1], n), F32))
+    return call(x.astype(F32), w.values, w.scale, mins, kind=np.int64(LAYOUTS.index(w.layout)),
+                block=np.int64(w.block), has_min=np.int64(w.min is not None))
+
+
+def qmatmul(x: jax.Array, w: QTensor, use_native: bool | None = None) -> jax.Array:
+    """x [..., K] @ w.T → [..., N] in float32. use_native: None picks the kernel on the
+    CPU where it was built; False forces the dequantize-and-dot path (tests)."""
+    if w.values.ndim != 2:
+        raise ValueError(f"qmatmul takes one [N, K] matrix, got a stack {w.shape}")
+    if use_native is None:
+        use_native = native.available()
+    if not use_native:
+        return _xla_matmul(x, w)
+    return jax.lax.platform_dependent(x, w, cpu=_native_matmul, default=_xla_matmul)
+
+
+def matmul(x: jax.Array, w) -> jax.Array:
+    """x @ W for a plain [K, N] array, or x @ w.T for a QTensor [N, K]: the one entry
+    point of every weight product. The result has x's dtype."""
+    if isinstance(w, QTensor):
+        return qmatmul(x, w).astype(x.dtype)
+    return jnp.dot(x, w)
+
+
+def take_rows(w: QTensor | np.ndarray, rows) -> QTensor:
+    """Rows of a matrix (an embedding lookup, or a reordering at load): dequantized
+    when w is a QTensor, only those rows."""
+    if not isinstance(w, QTensor):
+        return w[rows]
+    picked = QTensor(w.values[rows], w.scale[rows], None if w.min is None else w.min[rows],
+                     w.layout, w.block, w.source)
+    return dequantize(picked)
+
+
+def reorder_rows(w: QTensor, order: np.ndarray) -> QTensor:
+    """The same rows in another order, still packed (host arrays)."""
+    return QTensor(w.values[order], w.scale[order], None if w.min is None else w.min[order],
+                   w.layout, w.block, w.source)
+
+
+def as_q8(w: QTensor, block: int) -> QTensor:
+    """The same values as int8 with a scale per `block` (≤ w.block): exact, for stacking
+    tensors of different layouts into one matrix."""
+    if w.layout == "q8" and w.block == block:
+        return w
+    values = np.asarray(w.values)
+    if w.layout == "q4":
+        v = values.reshape(*values.shape[:-1], -1, 16)
+        values = np.concatenate([v & 15, v >> 4], axis=-1).reshape(*values.shape[:-1], -1)
+    repeat = w.block // block
+    scale = np.repeat(np.asarray(w.scale), repeat, axis=-1)
+    mins = None if w.min is None else np.repeat(np.asarray(w.min), repeat, axis=-1)
+    return QTensor(values.astype(np.int8), scale, mins, "q8", block, w.source)
+
+
+def stack_rows(parts: list[QTensor]) -> QTensor:
+    """One matrix whose rows are the parts' rows (Q, K and V; gate and up), in the most
+    compact layout all of them fit exactly."""
+    if len({(p.layout, p.block, p.min is None) for p in parts}) > 1:
+        block = min(p.block for p in parts)
+        parts = [as_q8(p, block) for p in parts]
+        if any(p.min is not None for p in parts):
+            parts = [p if p.min is not None else
+                     QTensor(p.values, p.scale, np.zeros_like(p.scale), p.layout, p.block, p.source)
+                     for p in parts]
+    first = parts[0]
+    sources = "+".join(dict.fromkeys(p.source for p in parts))
+
+    def cat(name):
+        arrays = [getattr(p, name) for p in parts]
+        return None if arrays[0] is None else np.concatenate([np.asarray(a) for a in arrays])
+
+    return QTensor(cat("values"), cat("scale"), cat("min"), first.layout, first.block, sources)
+
+
+def bytes_per_weight(w) -> float:
+    return w.nbytes / w.size

@@ -1,0 +1,31 @@
+"""The native quantized-matmul kernels (motet/model/kernels), built with the machine's
+C++ compiler during the ordinary install. The build is optional: where it fails, the
+install goes on and motet uses the XLA path (motet/model/native.py says which)."""
+
+from setuptools import Extension, setup
+
+
+def ffi_include() -> list[str]:
+    try:
+        import jax.ffi
+
+        return [jax.ffi.include_dir()]
+    except Exception:  # noqa: BLE001 - no jax at build time: the build fails and is skipped
+        return []
+
+
+KERNELS = "motet/model/kernels/"
+setup(
+    ext_modules=[
+        Extension(
+            "motet.model._qmatmul",
+            sources=[KERNELS + f"qmatmul_{part}.cc" for part in ("ffi", "base", "avx2", "avx512")],
+            include_dirs=ffi_include(),
+            language="c++",
+            extra_compile_args=["-O3", "-std=c++17", "-fopenmp", "-w"],
+            extra_link_args=["-fopenmp"],
+            depends=[KERNELS + name for name in ("qmatmul.h", "qmatmul_headers.h", "qmatmul_body.inc")],
+            optional=True,
+        )
+    ]
+)

@@ -1,0 +1,154 @@
+"""Quantized weights: GGUF's blocks repack without changing a value, the native kernel
+agrees with the XLA path on every instruction set this CPU has, and the default model
+computes from its quantized file what it computes from the same values in float32."""
+
+import platform
+import shutil
+import subprocess
+import sys
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from motet.model import native
+from motet.model.gguf_quants import REPACK
+from motet.model.quant import QTensor, dequantize, dequantize_host, matmul, qmatmul, stack_rows
+
+# where each format keeps its f16 scales (random bytes there could be inf or NaN)
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """A tensor of `kind` as GGUF stores it: any bytes are valid blocks once the f16
+    scales are finite. Returns uint8 [rows, bytes per row]."""
+    rng = np.random.default_rng(seed)
+    values, size = gguf.GGML_QUANT_SIZES[Q[kind]]
+    raw = rng.integers(0, 256, (rows, cols // values, size), dtype=np.uint8)
+    for at in F16_FIELDS[kind]:
+        scales = rng.uniform(-0.05, 0.05, (rows, cols // values)).astype(np.float16)
+        raw[..., at:at + 2] = scales[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", sorted(REPACK))
+def test_every_gguf_type_repacks_to_the_values_gguf_reads(kind):
+    raw = random_blocks(kind, 6, 512)
+    packed = REPACK[kind](raw)
+    assert packed.shape == (6, 512) and packed.source == kind
+    np.testing.assert_array_equal(dequantize_host(packed), gguf.quants.dequantize(raw, Q[kind]))
+    # the jitted dequantization reads the same values
+    np.testing.assert_array_equal(np.asarray(dequantize(jax.device_put(packed))), dequantize_host(packed))
+
+
+def test_stacking_different_layouts_keeps_every_value():
+    """Q, K and V (or gate and up) of a Q4_K_M file come in different types."""
+    parts = [REPACK[k](random_blocks(k, 4, 256, seed=i)) for i, k in enumerate(("Q4_K", "Q6_K", "Q8_0"))]
+    stacked = stack_rows(parts)
+    assert (stacked.layout, stacked.block) == ("q8", 16)
+    np.testing.assert_array_equal(dequantize_host(stacked), np.concatenate([dequantize_host(p) for p in parts]))
+    same = stack_rows([parts[0], REPACK["Q4_K"](random_blocks("Q4_K", 2, 256, seed=9))])
+    assert (same.layout, same.block) == ("q4", 32)  # alike parts stay compact
+
+
+def test_the_native_kernel_is_built_where_a_compiler_is():
+    if shutil.which("g++") is None or platform.system() != "Linux":
+        pytest.skip("no C++ compiler here: the XLA path serves")
+    assert native.available(), "the install should have built motet/model/_qmatmul*.so"
+    assert native.instruction_set() in native.INSTRUCTION_SETS
+
+
+def layouts():
+    yield REPACK["Q4_1"](random_blocks("Q4_1", 70, 576, seed=1))
+    yield REPACK["Q8_0"](random_blocks("Q8_0", 33, 576, seed=2))
+    yield REPACK["Q6_K"](random_blocks("Q6_K", 40, 512, seed=3))
+    yield REPACK["Q5_K"](random_blocks("Q5_K", 9, 256, seed=4))
+
+
+@pytest.mark.skipif(not native.available(), reason="the native kernel was not built")
+@pytest.mark.parametrize("isa", native.INSTRUCTION_SETS)
+def test_the_kernel_equals_the_xla_path(isa):
+    best = native.instruction_set()
+    if not native.select_instruction_set(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    try:
+        rng = np.random.default_rng(0)
+        for w in layouts():
+            w = jax.device_put(w)
+            reference = dequantize_host(w).astype(np.float64)
+            # 1: decode; 2-31: batched decode; 32 and more: prefill (each its own loop)
+            for m in (1, 2, 3, 7, 16, 31, 32, 45):
+                x = rng.standard_normal((m, w.shape[1])).astype(np.float32)
+                want = x.astype(np.float64) @ reference.T
+                scale = np.abs(want).max()
+                kernel = np.asarray(jax.jit(lambda x, w: qmatmul(x, w, use_native=True))(x, w))
+                xla = np.asarray(jax.jit(lambda x, w: qmatmul(x, w, use_native=False))(x, w))
+                assert np.abs(kernel - want).max() / scale < 1e-5, (w.source, m)
+                assert np.abs(kernel - xla).max() / scale < 1e-5, (w.source, m)
+    finally:
+        native.select_instruction_set(best)
+
+
+def test_matmul_takes_plain_arrays_and_quantized_ones_alike():
+    w = jax.device_put(REPACK["Q4_0"](random_blocks("Q4_0", 8, 64)))
+    x = jnp.ones((3, 64), jnp.float32)
+    dense = jnp.asarray(dequantize_host(w).T)
+    np.testing.assert_allclose(np.asarray(matmul(x, w)), np.asarray(matmul(x, dense)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="one \\[N, K\\] matrix"):
+        qmatmul(x, QTensor(np.zeros((2, 8, 32), np.uint8), np.zeros((2, 8, 2), np.float32), None, "q4", 32))
+
+
+@pytest.fixture(scope="module")
+def default_models(default_model_file):
+    from motet.model.loader import load_model
+
+    return load_model(default_model_file), load_model(default_model_file, dtype="float32")
+
+
+def test_the_default_model_stays_quantized_and_computes_what_float32_computes(default_models):
+    quantized, floats = default_models
+    assert quantized.weight_format == "quantized" and floats.weight_format == "float32"
+    formats = quantized.info()["tensor_formats"]
+    assert formats["wqkv"]["formats"] == ["Q4_1"] and formats["lm_head"]["formats"] == ["Q8_0"]
+    # the file's 98 MB, against 538 MB of float32
+    assert quantized.info()["weight_bytes"] < 130e6 < 500e6 < floats.info()["weight_bytes"]
+    ids = quantized.tokenizer.encode(quantized.render_chat([{"role": "user", "content": "What is the capital of France?"}]))
+    want, got = floats.logits(ids), quantized.logits(ids)
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-3
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_decode_steps_agree_too(default_models):
+    """One token at a time runs the kernel's matrix-vector loop, not the prefill one."""
+    from motet.model.generate import generate
+
+    quantized, floats = default_models
+    ids = quantized.tokenizer.encode(quantized.render_chat([{"role": "user", "content": "Name three colours."}]))
+    assert list(generate(quantized, ids, max_tokens=12)) == list(generate(floats, ids, max_tokens=12))
+
+
+def test_motet_info_shows_each_group_format_and_the_bytes_a_token_reads(default_model_file):
+    out = subprocess.run([sys.executable, "-m", "motet", "info", "--model", str(default_model_file)],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "Q4_1" in out and "Q8_0" in out and "bytes read per decode token" in out
+
+
+@pytest.mark.parametrize("arch, key, renormalized", [
+    ("qwen3moe", None, True),  # llama.cpp renormalizes Qwen3-MoE's top-k, with no key to say so
+    ("olmoe", None, False),
+    ("llama", None, True),  # Mixtral, stored under llama
+    ("olmoe", True, True),  # the key, where a file has it, decides
+    ("qwen3moe", False, False),
+])
+def test_gguf_routing_renormalizes_as_llama_cpp_does(arch, key, renormalized):
+    from motet.model.config import config_from_gguf
+
+    meta = {"general.architecture": arch, f"{arch}.attention.head_count": 4, f"{arch}.embedding_length": 64,
+            f"{arch}.expert_count": 8, f"{arch}.expert_used_count": 2, f"{arch}.block_count": 2,
+            f"{arch}.vocab_size": 100}
+    if key is not None:
+        meta[f"{arch}.expert_weights_norm"] = key
+    assert config_from_gguf(meta, has_output_weight=True).norm_topk_prob is renormalized
