@@ -22,8 +22,7 @@ setup(
             sources=[KERNELS + f"qmatmul_{part}.cc" for part in ("ffi", "base", "avx2", "avx512")],
             include_dirs=ffi_include(),
             language="c++",
-            extra_compile_args=["-O3", "-std=c++17", "-fopenmp", "-w"],
-            extra_link_args=["-fopenmp"],
+            extra_compile_args=["-O3", "-std=c++17", "-w"],
             depends=[KERNELS + name for name in ("qmatmul.h", "qmatmul_headers.h", "qmatmul_body.inc")],
             optional=True,
         )

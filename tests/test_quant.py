@@ -86,8 +86,10 @@ def test_the_kernel_equals_the_xla_path(isa):
                 scale = np.abs(want).max()
                 kernel = np.asarray(jax.jit(lambda x, w: qmatmul(x, w, use_native=True))(x, w))
                 xla = np.asarray(jax.jit(lambda x, w: qmatmul(x, w, use_native=False))(x, w))
-                assert np.abs(kernel - want).max() / scale < 1e-5, (w.source, m)
-                assert np.abs(kernel - xla).max() / scale < 1e-5, (w.source, m)
+                # one row runs with x quantized to int16 per 32 values; more rows in float32
+                tolerance = 1e-4 if m == 1 else 1e-5
+                assert np.abs(kernel - want).max() / scale < tolerance, (w.source, m)
+                assert np.abs(kernel - xla).max() / scale < tolerance, (w.source, m)
     finally:
         native.select_instruction_set(best)
 

@@ -108,6 +108,8 @@ def qmatmul(x: jax.Array, w: QTensor, use_native: bool | None = None) -> jax.Arr
         raise ValueError(f"qmatmul takes one [N, K] matrix, got a stack {w.shape}")
     if use_native is None:
         use_native = native.available()
+    elif use_native and not native.available():
+        raise RuntimeError("the native quantized kernel is not built here")
     if not use_native:
         return _xla_matmul(x, w)
     return jax.lax.platform_dependent(x, w, cpu=_native_matmul, default=_xla_matmul)

@@ -17,12 +17,20 @@ struct QWeights {
   const float* min;       // [n, k/block], or null for none
 };
 
-using Impl = void (*)(const QWeights&, const float* x, int64_t m, float* out);
+// Runs task(arg, unit) once for every unit in [0, units), on as many threads as it has,
+// and returns when all have run (qmatmul_ffi.cc: XLA's own intra-op threads).
+using Task = void (*)(void* arg, int64_t unit);
+struct Parallel {
+  void* pool;
+  void (*for_each)(void* pool, int64_t units, Task task, void* arg);
+};
 
-namespace base { void qmatmul(const QWeights&, const float*, int64_t, float*); }
+using Impl = void (*)(const QWeights&, const float* x, int64_t m, float* out, const Parallel&);
+
+namespace base { void qmatmul(const QWeights&, const float*, int64_t, float*, const Parallel&); }
 #if defined(__x86_64__)
-namespace avx2 { void qmatmul(const QWeights&, const float*, int64_t, float*); }
-namespace avx512 { void qmatmul(const QWeights&, const float*, int64_t, float*); }
+namespace avx2 { void qmatmul(const QWeights&, const float*, int64_t, float*, const Parallel&); }
+namespace avx512 { void qmatmul(const QWeights&, const float*, int64_t, float*, const Parallel&); }
 #endif
 
 }  // namespace motet_qmatmul

@@ -16,6 +16,20 @@ inline void nibbles(const uint8_t* p, vf& lo, vf& hi) {
     hi[i] = static_cast<float>(p[i] >> 4);
   }
 }
+inline vf q4_dot(const uint8_t* p, const int16_t* x) {
+  int32_t sum = 0;
+  for (int i = 0; i < 16; ++i) sum += (p[i] & 15) * x[i] + (p[i] >> 4) * x[16 + i];
+  vf v = {};
+  v[0] = static_cast<float>(sum);
+  return v;
+}
+inline vf q8_dot16(const uint8_t* p, const int16_t* x) {
+  int32_t sum = 0;
+  for (int i = 0; i < 16; ++i) sum += static_cast<int8_t>(p[i]) * x[i];
+  vf v = {};
+  v[0] = static_cast<float>(sum);
+  return v;
+}
 }  // namespace
 }  // namespace motet_qmatmul::base
 #define MOTET_VF motet_qmatmul::base::vf

@@ -1,6 +1,10 @@
 // The XLA FFI handler (registered from motet/model/native.py) and the run-time choice
 // of instruction set.
+#include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <memory>
+#include <thread>
 
 #include "qmatmul.h"
 #include "xla/ffi/api/ffi.h"
@@ -33,7 +37,39 @@ Choice& chosen() {
   return choice;
 }
 
-ffi::Error QMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::Buffer<ffi::F32> scale,
+// One product's units, claimed one at a time by the calling thread and by helpers on
+// XLA's intra-op pool. The caller alone could run them all, so a helper that starts
+// late (its pool busy) is never waited for; it finds nothing left and returns, which is
+// why the state is shared with it rather than owned by the caller.
+struct Share {
+  motet_qmatmul::Task task;
+  void* arg;
+  int64_t units;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void work() {
+    for (int64_t unit; (unit = next.fetch_add(1)) < units;) {
+      task(arg, unit);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+void for_each_on_pool(void* pool, int64_t units, motet_qmatmul::Task task, void* arg) {
+  auto& threads = *static_cast<ffi::ThreadPool*>(pool);
+  auto share = std::make_shared<Share>();
+  share->task = task;
+  share->arg = arg;
+  share->units = units;
+  const int64_t helpers = std::min<int64_t>(threads.num_threads(), units) - 1;
+  for (int64_t i = 0; i < helpers; ++i) threads.Schedule([share] { share->work(); });
+  share->work();
+  // the units still running on helpers are each a few microseconds to milliseconds
+  for (int spins = 0; share->done.load(std::memory_order_acquire) < units; ++spins)
+    if (spins > 1000) std::this_thread::yield();
+}
+
+ffi::Error QMatmul(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::Buffer<ffi::F32> scale,
                    ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> out, int64_t kind,
                    int64_t block, int64_t has_min) {
   const auto xd = x.dimensions();
@@ -50,7 +86,8 @@ ffi::Error QMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::Buffer<f
   const QWeights w{static_cast<int>(kind), static_cast<int>(block), n, k,
                    static_cast<const uint8_t*>(values.untyped_data()), scale.typed_data(),
                    has_min ? mins.typed_data() : nullptr};
-  chosen().impl(w, x.typed_data(), m, out->typed_data());
+  const motet_qmatmul::Parallel parallel{&threads, for_each_on_pool};
+  chosen().impl(w, x.typed_data(), m, out->typed_data(), parallel);
   return ffi::Error::Success();
 }
 
@@ -58,6 +95,7 @@ ffi::Error QMatmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::Buffer<f
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetQMatmul, QMatmul,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

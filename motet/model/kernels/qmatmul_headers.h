@@ -1,7 +1,6 @@
 // What qmatmul_body.inc needs, included before any target pragma.
 #pragma once
-#include <omp.h>
-
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
