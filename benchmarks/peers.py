@@ -8,6 +8,8 @@ not one of motet's) in a child process, so a build that crashes on this CPU is r
 rather than taking the run down; motet runs in this process through its Engine.
 
 What is measured (best of --repeats timed runs, after an untimed run of every scenario):
+  peak RSS  each engine's process at its peak (motet: this process, with the Engine's KV
+            cache; llama.cpp: its child process, with its own)
   single    greedy decode tokens/s after a short chat prompt: (generated - 1) / (time
             from the first token to the last), prefill excluded.
   streams   16 concurrent 256-token prompts, 128 greedy tokens each: tokens generated
@@ -27,6 +29,7 @@ import argparse
 import ctypes
 import importlib.util
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -322,13 +325,17 @@ def main(argv=None) -> int:
     peer = run_llama_cpp(job)
     if peer is None:
         return 3
+    peer_rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the child, its peak
     ours = trio.run(motet_runs, model, runs)
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     ours, peer = ours[1:], peer[1:]
     m, p = summarize(ours), summarize(peer)
+    m["peak_rss_mb"], p["peak_rss_mb"] = rss_mb, peer_rss_mb
     ratios = {"single_decode": m["single"]["decode_tok_s"] / p["single"]["decode_tok_s"],
               "streams_decode": m["streams"]["aggregate_decode_tok_s"] / p["streams"]["aggregate_decode_tok_s"],
               "streams_wall_time": m["streams_wall_s"] / p["streams_wall_s"],
-              "prefill": m["prefill"]["tok_s"] / p["prefill"]["tok_s"]}
+              "prefill": m["prefill"]["tok_s"] / p["prefill"]["tok_s"],
+              "peak_rss": rss_mb / peer_rss_mb}
     result = {
         "model": job["model"], "llama_cpp_threads": args.threads, "timed_runs": args.repeats,
         "reported": "best of the timed runs; ratios are motet / llama.cpp",
@@ -345,7 +352,8 @@ def main(argv=None) -> int:
             (f"decode, {STREAMS} streams (tok/s)", m["streams"]["aggregate_decode_tok_s"],
              p["streams"]["aggregate_decode_tok_s"]),
             (f"{STREAMS} streams, wall (s)", m["streams_wall_s"], p["streams_wall_s"]),
-            (f"prefill, {PREFILL_PROMPT} tokens (tok/s)", m["prefill"]["tok_s"], p["prefill"]["tok_s"])]
+            (f"prefill, {PREFILL_PROMPT} tokens (tok/s)", m["prefill"]["tok_s"], p["prefill"]["tok_s"]),
+            ("peak RSS (MB)", rss_mb, peer_rss_mb)]
     print(f"\n{'':<30} {'motet':>8} {'llama.cpp':>9} {'ratio':>6}")
     for name, a, b in rows:
         print(f"{name:<30} {a:>8.1f} {b:>9.1f} {a / b:>6.2f}")

@@ -18,6 +18,10 @@ from motet.model.kv import KVGeometry, bucket, init_kv
 # ≤ 2.2e-5 (logits up to ~33), SmolLM2 6.6e-5 (logit std ~3). Tolerances ~4-5x above.
 ATOL = 1e-4
 DEFAULT_MODEL_ATOL = 3e-4
+# The default model runs quantized: a decode step's one-row products quantize x to
+# int16 (docs/performance.md), a full forward's many-row ones do not, so the two agree
+# to about 1e-2 of logits whose spread is about 8 (a cache bug is off by whole units).
+QUANTIZED_DECODE_ATOL = 1e-2
 
 
 def golden_prompt(arch: str) -> list[int]:
@@ -73,7 +77,8 @@ def test_prefill_then_decode_equals_full_forward_default(default_model):
     geo = KVGeometry(n_slots=1, max_context=model.config.max_context, chunk=512)
     tokens, step_logits = greedy_through_cache(model, geo, 0, prompt, steps=6)
     full = model.logits(prompt + tokens[:-1])
-    close(step_logits, full[len(prompt) - 1 :], atol=DEFAULT_MODEL_ATOL)
+    close(step_logits, full[len(prompt) - 1 :],
+          atol=QUANTIZED_DECODE_ATOL if model.weight_format == "quantized" else DEFAULT_MODEL_ATOL)
     np.testing.assert_array_equal(step_logits.argmax(-1), full[len(prompt) - 1 :].argmax(-1))
 
 

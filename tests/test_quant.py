@@ -16,10 +16,26 @@ from gguf import GGMLQuantizationType as Q
 
 from motet.model import native
 from motet.model.gguf_quants import REPACK
-from motet.model.quant import QTensor, dequantize, dequantize_host, matmul, qmatmul, stack_rows
+from motet.model.quant import QTensor, dequantize, matmul, qmatmul, stack_rows
 
 # where each format keeps its f16 scales (random bytes there could be inf or NaN)
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def dequantize_host(w: QTensor) -> np.ndarray:
+    """The float matrix a QTensor stands for, in numpy: the reference the jitted paths
+    are checked against."""
+    lead = w.values.shape[:-1]
+    values = np.asarray(w.values)
+    if w.layout == "q4":
+        v = values.reshape(*lead, -1, 16)
+        q = np.concatenate([v & 15, v >> 4], axis=-1)
+    else:
+        q = values.reshape(*lead, -1, w.block)
+    out = q.astype(np.float32) * np.asarray(w.scale)[..., None]
+    if w.min is not None:
+        out += np.asarray(w.min)[..., None]
+    return out.reshape(*lead, -1)
 
 
 def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:

@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from . import native
 from .chat_template import CHATML_TEMPLATE, render_chat
 from .config import config_from_gguf, config_from_hf
 from .errors import ModelFileError, UnsupportedModelError
 from .expert_source import SourceExpertReader
 from .gguf_file import GGUF_MAGIC, GGUFSource, gguf_metadata, open_gguf
-from . import native
 from .model import Model
 from .safetensors_dir import SafetensorsSource
 from .sharding import TP, MeshSpec, mesh_axis, model_mesh

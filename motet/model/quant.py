@@ -55,13 +55,9 @@ class QTensor:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.values, self.scale, self.min) if a is not None)
 
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape))
-
 
 def dequantize(w: QTensor, dtype=F32) -> jax.Array:
-    """The float matrix [..., N, K] (jnp; used inside jitted code and by tests)."""
+    """The float matrix [..., N, K], inside jitted code."""
     lead = w.values.shape[:-1]
     if w.layout == "q4":
         v = w.values.reshape(*lead, -1, 16)
@@ -71,21 +67,6 @@ def dequantize(w: QTensor, dtype=F32) -> jax.Array:
     out = q.astype(dtype) * w.scale[..., None].astype(dtype)
     if w.min is not None:
         out = out + w.min[..., None].astype(dtype)
-    return out.reshape(*lead, -1)
-
-
-def dequantize_host(w: QTensor) -> np.ndarray:
-    """The same in numpy, for the float32 path and tests."""
-    lead = w.values.shape[:-1]
-    values = np.asarray(w.values)
-    if w.layout == "q4":
-        v = values.reshape(*lead, -1, 16)
-        q = np.concatenate([v & 15, v >> 4], axis=-1)
-    else:
-        q = values.reshape(*lead, -1, w.block)
-    out = q.astype(np.float32) * np.asarray(w.scale)[..., None]
-    if w.min is not None:
-        out += np.asarray(w.min)[..., None]
     return out.reshape(*lead, -1)
 
 
@@ -172,7 +153,3 @@ def stack_rows(parts: list[QTensor]) -> QTensor:
         return None if arrays[0] is None else np.concatenate([np.asarray(a) for a in arrays])
 
     return QTensor(cat("values"), cat("scale"), cat("min"), first.layout, first.block, sources)
-
-
-def bytes_per_weight(w) -> float:
-    return w.nbytes / w.size

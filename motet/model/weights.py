@@ -12,6 +12,9 @@ GEMVs; each layer is its own set of arrays (slicing a stacked array copies on XL
 
 With a mesh, each leaf goes from the host straight into its shards (sharding.place_leaf,
 which also interleaves the fused matrices' columns by tp shard).
+
+Quantized (pack_weights(quantized=True)), wqkv, wo, w_gate_up, w_down, lm_head and
+embed are QTensors as the file holds them: [out, in] rows, the head [V, d] (quant.py).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from jax.sharding import Mesh
 
 from .config import ModelConfig
 from .errors import ModelFileError
-from .quant import QTensor, reorder_rows, stack_rows
+from .quant import QTensor, stack_rows
 from .sharding import place_leaf
 
 
