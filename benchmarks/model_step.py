@@ -159,7 +159,8 @@ def main(argv=None) -> int:
               "bandwidth": bandwidth, "models": []}
     if args.only in (None, "default"):
         model = load_model()
-        result["models"].append(bench_model("SmolLM2-135M f32", model, args.quick, bandwidth["read_gbps"]))
+        label = "SmolLM2-135M " + ("Q4_1" if model.weight_format == "quantized" else model.weight_format)
+        result["models"].append(bench_model(label, model, args.quick, bandwidth["read_gbps"]))
         del model
     if args.only in (None, "moe"):
         cfg = synthetic_moe_config()

@@ -84,11 +84,11 @@ def main(argv=None) -> int:
             results.append({"rows": rows, "form": name, "ms": round(ms, 2), "weight_mb": round(weight_bytes[name] / 1e6, 1)})
     print(json.dumps({"instruction_set": native.instruction_set(), "results": results}, indent=1))
     print(f"\nkernel instruction set: {native.instruction_set()}")
-    print("| rows | " + " | ".join(forms) + " | kernel / float32 |")
+    print("| rows | " + " | ".join(forms) + " | float32 time / kernel time |")
     print("|---|" + "---|" * (len(forms) + 1))
     for rows in sorted({r["rows"] for r in results}):
         ms = {r["form"]: r["ms"] for r in results if r["rows"] == rows}
-        ratio = f"{ms['float32'] / ms['kernel']:.2f}× faster" if "kernel" in ms else "—"
+        ratio = f"{ms['float32'] / ms['kernel']:.2f}" if "kernel" in ms else "—"
         print(f"| {rows} | " + " | ".join(f"{ms[f]:.1f} ms" for f in forms) + f" | {ratio} |")
     return 0
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from .errors import ModelFileError, UnsupportedModelError
 from .gguf_quants import REPACK
-from .quant import QTensor, reorder_rows
+from .quant import QTensor, pick_rows
 
 GGUF_MAGIC = b"GGUF"
 
@@ -171,7 +171,7 @@ class GGUFSource:
             raise ModelFileError(f"{self.describe(name)} has {w.shape} values, expected {shape}")
         kind = name.rpartition(".")[2]
         if self.permuted_rope_heads and kind in ("q", "k"):
-            w = reorder_rows(w, unpermuted_row_order(shape[0], self.permuted_rope_heads[kind == "k"]))
+            w = pick_rows(w, unpermuted_row_order(shape[0], self.permuted_rope_heads[kind == "k"]))
         return w
 
     def get_expert(self, name: str, e: int) -> np.ndarray:

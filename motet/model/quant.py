@@ -104,19 +104,15 @@ def matmul(x: jax.Array, w) -> jax.Array:
     return jnp.dot(x, w)
 
 
-def take_rows(w: QTensor | np.ndarray, rows) -> QTensor:
-    """Rows of a matrix (an embedding lookup, or a reordering at load): dequantized
-    when w is a QTensor, only those rows."""
-    if not isinstance(w, QTensor):
-        return w[rows]
-    picked = QTensor(w.values[rows], w.scale[rows], None if w.min is None else w.min[rows],
-                     w.layout, w.block, w.source)
-    return dequantize(picked)
+def take_rows(w, rows) -> jax.Array:
+    """Rows of a matrix as floats (an embedding lookup): of a QTensor, only those rows
+    are dequantized."""
+    return dequantize(pick_rows(w, rows)) if isinstance(w, QTensor) else w[rows]
 
 
-def reorder_rows(w: QTensor, order: np.ndarray) -> QTensor:
-    """The same rows in another order, still packed (host arrays)."""
-    return QTensor(w.values[order], w.scale[order], None if w.min is None else w.min[order],
+def pick_rows(w: QTensor, rows) -> QTensor:
+    """Those rows, in that order, still packed (a lookup, or a reordering at load)."""
+    return QTensor(w.values[rows], w.scale[rows], None if w.min is None else w.min[rows],
                    w.layout, w.block, w.source)
 
 
