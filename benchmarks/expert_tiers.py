@@ -184,7 +184,7 @@ def tiered(model: Model, reader, geo: KVGeometry, slots: int, policy_name: str, 
     kind, prefetch = POLICIES[policy_name]
     R, E, k = cfg.n_layers, cfg.n_experts, cfg.n_experts_per_tok
     policy = ExpertPolicy(R, E, slots, k, None, PolicySettings(kind=kind, prefetch=prefetch))
-    pool = ExpertPool(reader, R, E, slots, None, cfg.hidden_size, cfg.moe_intermediate_size)
+    pool = ExpertPool(reader, R, E, slots, None)
     pool.fill(policy.rank())
     model_t = TieredModel(model, pool, prefetch=prefetch)
     state = {"kv": init_kv(cfg, geo)}

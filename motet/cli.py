@@ -24,6 +24,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="auto: a quantized GGUF's weights stay quantized (computed in float32); "
                         "float32 or bfloat16: every weight dequantized to that type")
+    p.add_argument("--quantize", choices=("int8", "int4"), default=None,
+                   help="quantize the weights a checkpoint holds as floats (bf16/f32 safetensors, "
+                        "F16/F32 GGUF) at load: weight-only, a scale per 32 values")
     p.add_argument("--max-context", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--compile-cache", type=Path,
                    default=Path(os.environ.get("MOTET_COMPILE_CACHE", DEFAULT_COMPILE_CACHE)),
@@ -450,7 +453,13 @@ COMMANDS = {"chat": cmd_chat, "info": cmd_info, "mux": in_group(cmd_mux), "serve
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "quantize", None):  # one weight format passed down: --dtype's
+        if args.dtype != "auto":
+            parser.error(f"--quantize {args.quantize} computes in float32 from quantized weights; "
+                         f"it cannot go with --dtype {args.dtype}")
+        args.dtype = args.quantize
     logging.basicConfig(stream=sys.stderr, level=logging.DEBUG if args.verbose else logging.INFO,
                         format="motet: %(message)s")
     # JAX reports each accelerator plugin it did not find; that is not news on a CPU host.

@@ -193,12 +193,11 @@ class Engine(Service, Collected):
     def _plan_experts(self) -> ExpertPolicy | None:
         """Resident or tiered (expert_plan), and the policy that keeps the heat (None
         for a dense model). A budget too small for the model raises ValueError here."""
-        from .model.expert_source import with_packed_experts
+        from .model.expert_source import expert_bytes, with_packed_experts
 
         model, settings = self.model, self.expert_settings
         cfg = model.config
-        itemsize = model.weights["lm_head"].dtype.itemsize
-        plan = self.expert_plan = plan_experts(cfg, settings, itemsize, shared_weight_bytes(model.weights))
+        plan = self.expert_plan = plan_experts(cfg, settings, expert_bytes(model), shared_weight_bytes(model.weights))
         if not cfg.is_moe:
             return None
         if plan.mode == "resident" and not model.experts_packed:

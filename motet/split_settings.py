@@ -41,6 +41,7 @@ MUST_MATCH = (
     ("the context length", "CTX", "--max-context"),
     ("the number of KV slots", "KV_SLOTS", "--kv-slots"),
     ("the weights' dtype", None, "--dtype"),
+    ("the weights' quantization", None, "--quantize"),
     ("the JAX backend", "JAX_PLATFORMS", None),
 )
 SET_BY_SPLIT = {  # per-role entries the split sets itself: why they cannot be given
@@ -52,7 +53,8 @@ SET_BY_SPLIT = {  # per-role entries the split sets itself: why they cannot be g
     "CUDA_VISIBLE_DEVICES": "each engine's accelerator is given by prefill_device and decode_device",
 }
 ROLE_FLAGS = ("--experts", "--device-gb", "--ram-gb", "--heat-file", "--expert-policy", "--no-prefetch",
-              "--compile-cache", "--model", "--max-context", "--kv-slots", "--dtype")
+              "--compile-cache", "--model", "--max-context", "--kv-slots", "--dtype",
+              "--quantize")
 
 
 class SplitConfigError(ValueError):

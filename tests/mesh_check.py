@@ -274,7 +274,7 @@ def check_tiered(arch: str = "qwen3_moe") -> list[dict]:
     want = _tiered_greedy(resident_prefill, resident_decode, prompt)
     try:  # a pool that does not split into equal ranges per ep group
         ExpertPool(ArrayExpertReader.from_weights(cfg, resident.weights), sum(cfg.moe_layers), cfg.n_experts,
-                   3, None, cfg.hidden_size, cfg.moe_intermediate_size, mesh=model_mesh("ep=2", cfg))
+                   3, None, mesh=model_mesh("ep=2", cfg))
         uneven = "accepted"
     except ValueError as exc:
         uneven = str(exc)
@@ -282,8 +282,7 @@ def check_tiered(arch: str = "qwen3_moe") -> list[dict]:
     for layout in ("ep=2", "ep=4"):
         lazy = load_model(GOLDEN / arch, lazy_experts=True, mesh=layout)
         for prefetch, optimistic in ((True, True), (False, False)):
-            pool = ExpertPool(lazy.expert_reader, sum(cfg.moe_layers), cfg.n_experts, slots, None,
-                              cfg.hidden_size, cfg.moe_intermediate_size, mesh=model_mesh(layout, cfg))
+            pool = ExpertPool(lazy.expert_reader, sum(cfg.moe_layers), cfg.n_experts, slots, None, mesh=model_mesh(layout, cfg))
             pool.fill(np.zeros((pool.R, pool.E)))
             tiered = TieredModel(lazy, pool, prefetch=prefetch, optimistic=optimistic)
             fused = _count_fused(tiered)

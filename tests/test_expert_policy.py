@@ -97,7 +97,7 @@ EXPERT_BYTES = 3 * 64 * 32 * 4  # gate, up and down of one expert, float32
 
 
 def plan(shared: int = 1_000_000, **settings):
-    return plan_experts(CFG, ExpertSettings(**settings), 4, shared)
+    return plan_experts(CFG, ExpertSettings(**settings), EXPERT_BYTES, shared)
 
 
 def test_no_budget_is_resident_and_a_cap_below_the_experts_is_tiered():
@@ -125,7 +125,7 @@ def test_a_budget_below_top_k_is_a_clear_error():
 
 def test_a_dense_model_is_always_resident():
     dense = replace(CFG, arch="llama", n_experts=0, n_experts_per_tok=0, moe_layers=(False,) * 3)
-    assert plan_experts(dense, ExpertSettings(device_experts_per_layer=1), 4, 10).mode == "resident"
+    assert plan_experts(dense, ExpertSettings(device_experts_per_layer=1), 0, 10).mode == "resident"
 
 
 def test_settings_refuse_nonsense():

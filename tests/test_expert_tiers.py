@@ -40,8 +40,7 @@ def pool_sizes(cfg) -> list[int]:
 
 def make_pool(model, slots: int, ram: int | None = None, reader=None) -> ExpertPool:
     cfg = model.config
-    return ExpertPool(reader or model.expert_reader, sum(cfg.moe_layers), cfg.n_experts, slots, ram,
-                      cfg.hidden_size, cfg.moe_intermediate_size)
+    return ExpertPool(reader or model.expert_reader, sum(cfg.moe_layers), cfg.n_experts, slots, ram)
 
 
 def long_prompt(arch: str, vocab: int) -> list[int]:
@@ -313,8 +312,7 @@ def test_bfloat16_pools_stay_close_to_resident_bfloat16(lazy_model):
     prompt = long_prompt("qwen3_moe", cfg.vocab_size)
     kv = init_kv(cfg, TINY_GEO, jnp.bfloat16)
     want, _ = prefill_slot(model, kv, TINY_GEO, 0, prompt, 0)
-    pool = ExpertPool(lazy.expert_reader, sum(cfg.moe_layers), cfg.n_experts, 3, None, cfg.hidden_size,
-                      cfg.moe_intermediate_size, lazy.weights["lm_head"].dtype)
+    pool = ExpertPool(lazy.expert_reader, sum(cfg.moe_layers), cfg.n_experts, 3, None, lazy.weights["lm_head"].dtype)
     got, _, _ = TieredModel(lazy, pool).prefill_slot(init_kv(cfg, TINY_GEO, jnp.bfloat16), TINY_GEO, 0, prompt, 0)
     assert pool.pools[0][0].dtype == jnp.bfloat16 and pool.stats.lookups > pool.stats.hits
     want, got = np.asarray(want, np.float32), np.asarray(got, np.float32)

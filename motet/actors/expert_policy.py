@@ -179,15 +179,15 @@ class ExpertPlan:
     expert_bytes: int
 
 
-def plan_experts(cfg, settings, itemsize: int, shared_bytes: int) -> ExpertPlan:
+def plan_experts(cfg, settings, expert_bytes: int, shared_bytes: int) -> ExpertPlan:
     """Resident or tiered, from the model's size and the budgets (ExpertSettings).
-    shared_bytes: the weights that are not experts (always on the device). A budget
-    below one token's experts per layer (top-k) is an error, said now, not mid-request."""
+    expert_bytes: one expert's (quantized, as the file holds it, or floats); shared_bytes:
+    the weights that are not experts (always on the device). A budget below one token's
+    experts per layer (top-k) is an error, said now, not mid-request."""
     R, E, k = sum(cfg.moe_layers), cfg.n_experts, cfg.n_experts_per_tok
-    expert_bytes = 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize
-    ram = None if settings.ram_gb is None else int(round(settings.ram_gb * 1e9)) // expert_bytes
     if not cfg.is_moe:
-        return ExpertPlan("resident", R, E, E, ram, expert_bytes)
+        return ExpertPlan("resident", R, E, E, None, expert_bytes)
+    ram = None if settings.ram_gb is None else int(round(settings.ram_gb * 1e9)) // expert_bytes
     slots = E
     if settings.device_experts_per_layer:
         slots = min(E, settings.device_experts_per_layer)

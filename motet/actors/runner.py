@@ -129,7 +129,7 @@ class ModelRunner:
         self.totals = np.zeros(5, np.int64)  # lookups, hits, guessed, right, routed
         if tiered:
             self.pool = ExpertPool(reader, plan.layers, plan.experts, plan.pool_slots, plan.ram_capacity,
-                                   cfg.hidden_size, cfg.moe_intermediate_size, dtype, mesh=mesh_of(model.weights))
+                                   dtype, mesh=mesh_of(model.weights))
             self.pool.fill(np.zeros((plan.layers, plan.experts)) if rank is None else rank)
             self.pool.take_stats()  # the start-up loads are not a step's moves
             self.tiered = TieredModel(model, self.pool, prefetch=prefetch)
@@ -324,10 +324,9 @@ class ModelRunner:
                                (self.shared_bytes + expert_bytes) / 1e9, 0.0, cols, gpus=_gpus(n))
         pool = self.pool
         device, ram, disk = pool.counts()
-        pool_bytes = pool.R * pool.C * pool.expert_bytes
         return ExpertTiers(
             "tiered", rows, cols, pool.tier_map().tobytes(), device, ram, disk,
-            (self.shared_bytes + pool_bytes) / 1e9, ram * pool.expert_bytes / 1e9, pool.C,
+            (self.shared_bytes + pool.device_bytes()) / 1e9, pool.ram_bytes() / 1e9, pool.C,
             *(int(x) for x in self.totals), gpus=_gpus(device),
         )
 

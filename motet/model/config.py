@@ -5,6 +5,7 @@ Architectures differ by fields, not classes. A dense model is the case `n_expert
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from .errors import UnsupportedModelError
@@ -143,8 +144,15 @@ def config_from_hf(cfg: dict) -> ModelConfig:
 _GGUF_RENORMALIZED = ("mixtral", "qwen3_moe")
 
 
-def config_from_gguf(meta: dict, has_output_weight: bool) -> ModelConfig:
-    """From GGUF metadata (`general.architecture` and its `<arch>.*` keys)."""
+def config_from_gguf(meta: dict, has_output_weight: bool,
+                     tensor_names: Collection[str] | None = None) -> ModelConfig:
+    """From GGUF metadata (`general.architecture` and its `<arch>.*` keys).
+
+    tensor_names: the file's tensor names, which say which layers are MoE: those with a
+    router (`blk.N.ffn_gate_inp.weight`). llama.cpp's MoE architectures have no metadata
+    key for dense layers, yet a Qwen3-MoE checkpoint's `mlp_only_layers` are dense, stored
+    as ffn_gate/ffn_up/ffn_down. Without the names every layer of a MoE model is MoE.
+    """
     gguf_arch = str(meta.get("general.architecture", ""))
     arch = _GGUF_ARCHS.get(gguf_arch)
     if arch is None:
@@ -161,11 +169,17 @@ def config_from_gguf(meta: dict, has_output_weight: bool) -> ModelConfig:
     if arch == "llama" and n_experts:
         arch = "mixtral"  # llama.cpp stores Mixtral under the llama architecture
     vocab = key("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+    n_layers = int(key("block_count"))
+    moe_layers = ()
+    if n_experts and tensor_names is not None:
+        moe_layers = tuple(f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(n_layers))
+        if not any(moe_layers):  # no router anywhere: all MoE, so loading names the missing one
+            moe_layers = ()
     return ModelConfig(
         arch=arch,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        n_layers=int(key("block_count")),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(key("attention.head_count_kv", n_heads)),
         head_dim=int(key("attention.key_length", hidden // n_heads)),
@@ -177,6 +191,10 @@ def config_from_gguf(meta: dict, has_output_weight: bool) -> ModelConfig:
         qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(arch, "none"),
         n_experts=n_experts,
         n_experts_per_tok=int(key("expert_used_count", 0)),
-        moe_intermediate_size=int(key("expert_feed_forward_length", key("feed_forward_length", 0))),
+        # a dense model has no expert width (0, as config_from_hf gives)
+        moe_intermediate_size=(
+            int(key("expert_feed_forward_length", key("feed_forward_length", 0))) if n_experts else 0
+        ),
         norm_topk_prob=bool(key("expert_weights_norm", arch in _GGUF_RENORMALIZED)),
+        moe_layers=moe_layers,
     )

@@ -24,10 +24,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from .quant import QTensor, host_index, stack
 from .sharding import EP, TP, host_layout
 from .tiered import POOL_SPECS, put_experts, take_experts
 
@@ -41,15 +43,17 @@ def move_sizes(slots: int) -> tuple[int, ...]:
     return tuple(1 << i for i in range(top.bit_length()))
 
 
-def _padded(n: int, items: list) -> np.ndarray:
-    """items (n of them) stacked and padded to the next power of two by repeating the last."""
+def _padded(n: int, items: list):
+    """items (n of them: arrays or QTensors) stacked and padded to the next power of two
+    by repeating the last."""
     size = 1 << (n - 1).bit_length()
-    return np.stack(items + [items[-1]] * (size - n))
+    return stack(items + [items[-1]] * (size - n))
 
 
 class ExpertReader(Protocol):
     """One expert's packed weights from the model file (mmapped): gate_up [d, 2f],
-    down [f, d], float32 (the layout of weights.py, one expert at a time)."""
+    down [f, d], float32, or QTensors [2f, d], [d, f] as a quantized file holds them
+    (the layout of weights.py, one expert at a time; expert_source.py)."""
 
     def read(self, r: int, e: int) -> tuple[np.ndarray, np.ndarray]: ...
 
@@ -91,7 +95,7 @@ class LookupStats:
 
 class ExpertPool:
     def __init__(self, reader: ExpertReader, n_layers: int, n_experts: int, slots: int,
-                 ram_capacity: int | None, d: int, f: int, dtype=jnp.float32, mesh: Mesh | None = None):
+                 ram_capacity: int | None, dtype=jnp.float32, mesh: Mesh | None = None):
         if not 1 <= slots <= n_experts:
             raise ValueError(f"pool slots must be in [1, {n_experts}], got {slots}")
         self.reader, self.R, self.E, self.C = reader, n_layers, n_experts, slots
@@ -103,11 +107,19 @@ class ExpertPool:
                              f"must both divide by {groups}")
         self.groups, self.group_slots, self.group_experts = groups, slots // groups, n_experts // groups
         self.ram_capacity = ram_capacity  # experts over all layers; None: no limit
-        self.host_dtype = np.dtype(dtype)
-        self.expert_bytes = (d * 2 * f + f * d) * self.host_dtype.itemsize
+        self.host_dtype = np.dtype(dtype)  # of float experts; quantized ones stay as read
+        # Each layer's pool takes the shapes of its first expert as read: a quantized
+        # file may hold some layers' experts in more bits than others.
+        self.stats = LookupStats()
+        templates = [self._read(r, 0) for r in range(n_layers)]
+        self.quantized = any(isinstance(t[0], QTensor) for t in templates)
+        if self.quantized and mesh is not None:
+            raise ValueError("quantized experts are not split over a mesh yet: load with --dtype float32")
+        self.expert_bytes = np.array([sum(w.nbytes for w in t) for t in templates], np.int64)
         where = (None, None) if mesh is None else tuple(NamedSharding(mesh, spec) for spec in POOL_SPECS)
-        self.pools = [(jnp.zeros((slots, d, 2 * f), dtype, device=where[0]),
-                       jnp.zeros((slots, f, d), dtype, device=where[1])) for _ in range(n_layers)]
+        self.pools = [tuple(jax.tree.map(lambda a: jnp.zeros((slots, *a.shape), a.dtype, device=place), w)
+                            for w, place in zip(t, where)) for t in templates]
+        self.stats = LookupStats()  # the templates' reads are no step's
         self.lut = np.full((n_layers, n_experts), -1, np.int32)  # expert → slot, -1 off device
         self.occupant = np.full((n_layers, slots), -1, np.int32)  # slot → expert, -1 empty
         self.slot_used = np.zeros((n_layers, slots), np.int64)  # step of last use (LRU)
@@ -118,7 +130,6 @@ class ExpertPool:
         self.guesses: list[np.ndarray | None] = [None] * n_layers
         self.step = 0
         self.version = 0  # moves on whenever the lookup (expert → slot) changes
-        self.stats = LookupStats()
 
     # ---- state ---------------------------------------------------------------------
 
@@ -137,6 +148,14 @@ class ExpertPool:
         """(device, RAM, disk) expert counts; they sum to R × E."""
         device, ram = int((self.lut >= 0).sum()), len(self.ram)
         return device, ram, self.R * self.E - device - ram
+
+    def device_bytes(self) -> int:
+        """Bytes of the device pools (every slot, filled or not)."""
+        return int(self.C * self.expert_bytes.sum())
+
+    def ram_bytes(self) -> int:
+        """Bytes of the experts host RAM holds now."""
+        return int(sum(self.expert_bytes[r] for r, _ in self.ram))
 
     def owner(self, e: int) -> int:
         """The ep group whose devices hold expert e (0 off a mesh)."""
@@ -323,18 +342,18 @@ class ExpertPool:
         if not to_ram:
             return
         slots = _padded(len(to_ram), [s for _, s in to_ram]).astype(np.int32)
-        gate_up, down = (np.asarray(a) for a in take_experts(*self.pools[r], slots, mesh=self.mesh))
+        gate_up, down = jax.tree.map(np.asarray, take_experts(*self.pools[r], slots, mesh=self.mesh))
         for i, (e, _) in enumerate(to_ram):
             if (r, e) in self.ram:  # else a later victim of this eviction took its room
-                self.ram[(r, e)] = (gate_up[i], down[i])
+                self.ram[(r, e)] = (host_index(gate_up, i), host_index(down, i))
                 self.stats.moves.append(Move(r, e, DEVICE, RAM))
 
     def warm_move(self, n: int) -> None:
         """Run a copy back and an upload of n experts (one of move_sizes) once, copying
         slots of the first layer onto themselves: compiled, and nothing moved."""
         slots = np.minimum(np.arange(n), self.C - 1).astype(np.int32)
-        gate_up, down = take_experts(*self.pools[0], slots, mesh=self.mesh)
-        self.pools[0] = put_experts(*self.pools[0], slots, np.asarray(gate_up), np.asarray(down), mesh=self.mesh)
+        gate_up, down = jax.tree.map(np.asarray, take_experts(*self.pools[0], slots, mesh=self.mesh))
+        self.pools[0] = put_experts(*self.pools[0], slots, gate_up, down, mesh=self.mesh)
 
     def _ram_room(self, r: int, e: int) -> bool:
         """Make room in RAM for (r, e) by dropping colder experts to disk; False when
@@ -355,7 +374,8 @@ class ExpertPool:
     def _read(self, r: int, e: int) -> tuple[np.ndarray, np.ndarray]:
         started = time.perf_counter()
         gu, dn = self.reader.read(r, e)
-        gu, dn = np.asarray(gu, self.host_dtype), np.asarray(dn, self.host_dtype)
+        if not isinstance(gu, QTensor):
+            gu, dn = np.asarray(gu, self.host_dtype), np.asarray(dn, self.host_dtype)
         if self.mesh is not None:  # RAM and the pool hold the layout of its tp shards
             gu = host_layout(None, "experts_gate_up", gu, self.mesh.shape[TP])
         self.stats.read_s += time.perf_counter() - started

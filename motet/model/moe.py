@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from .config import ModelConfig
-from .quant import matmul
+from .quant import as_float_stack, index, matmul
 from .sharding import EP, TP
 
 MOE_IMPLS = ("auto", "grouped", "ragged")
@@ -52,10 +52,11 @@ def experts_grouped(x, weights, ids, gate_up, down, block: int, elsewhere: bool 
     last, after every block in use, and are never computed (their output is zero).
 
     A loop whose body slices the weights is the fast form on XLA:CPU: a gather of all the
-    chosen matrices at once is copied first, several times slower.
+    chosen matrices at once is copied first, several times slower. Quantized experts
+    (QTensor stacks) are sliced the same way and multiplied by the kernel as they are.
     """
     t, k = ids.shape
-    n_experts, d, f2 = gate_up.shape
+    n_experts, d = gate_up.shape[0], x.shape[-1]
     groups = n_experts + elsewhere
     a = t * k
     order, sizes = _by_expert(ids, groups)
@@ -72,10 +73,8 @@ def experts_grouped(x, weights, ids, gate_up, down, block: int, elsewhere: bool 
 
     def one(n, out):
         e = block_expert[n]
-        w_gate_up = jax.lax.dynamic_slice(gate_up, (e, 0, 0), (1, d, f2))[0]
-        w_down = jax.lax.dynamic_slice(down, (e, 0, 0), (1, f2 // 2, d))[0]
         xs = jax.lax.dynamic_slice(rows, (n * block, 0), (block, d))
-        ys = jnp.dot(swiglu(jnp.dot(xs, w_gate_up)), w_down)
+        ys = matmul(swiglu(matmul(xs, index(gate_up, e))), index(down, e))
         return jax.lax.dynamic_update_slice(out, ys, (n * block, 0))
 
     ys = jax.lax.fori_loop(0, used_blocks, one, jnp.zeros_like(rows))[dest]
@@ -85,9 +84,11 @@ def experts_grouped(x, weights, ids, gate_up, down, block: int, elsewhere: bool 
 
 def experts_ragged(x, weights, ids, gate_up, down, elsewhere: bool = False):
     """Grouped matmul with `lax.ragged_dot`: the fast path on GPUs and TPUs. elsewhere: as
-    experts_grouped (the rows past the last local group come out zero)."""
+    experts_grouped (the rows past the last local group come out zero). Quantized experts
+    are dequantized inside the step first: ragged_dot takes float operands only."""
     t, k = ids.shape
     n_experts = gate_up.shape[0]
+    gate_up, down = as_float_stack(gate_up).astype(x.dtype), as_float_stack(down).astype(x.dtype)
     order, sizes = _by_expert(ids, n_experts + elsewhere)
     sizes = sizes[:n_experts]
     token = order // k

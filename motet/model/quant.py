@@ -132,8 +132,8 @@ def as_q8(w: QTensor, block: int) -> QTensor:
 
 
 def stack_rows(parts: list[QTensor]) -> QTensor:
-    """One matrix whose rows are the parts' rows (Q, K and V; gate and up), in the most
-    compact layout all of them fit exactly."""
+    """One matrix whose rows are the parts' rows (Q, K and V; gate and up; of a stack of
+    experts, each expert's), in the most compact layout all of them fit exactly."""
     if len({(p.layout, p.block, p.min is None) for p in parts}) > 1:
         block = min(p.block for p in parts)
         parts = [as_q8(p, block) for p in parts]
@@ -146,6 +146,52 @@ def stack_rows(parts: list[QTensor]) -> QTensor:
 
     def cat(name):
         arrays = [getattr(p, name) for p in parts]
-        return None if arrays[0] is None else np.concatenate([np.asarray(a) for a in arrays])
+        return None if arrays[0] is None else np.concatenate([np.asarray(a) for a in arrays], axis=-2)
 
     return QTensor(cat("values"), cat("scale"), cat("min"), first.layout, first.block, sources)
+
+
+def stack(items: list) -> np.ndarray | QTensor:
+    """Host matrices (plain or QTensors of one layout) stacked on a new first axis: a
+    layer's experts, or the experts of one move to the pool."""
+    return jax.tree.map(lambda *leaves: np.stack(leaves), *items)
+
+
+def index(w, i):
+    """Matrix i of a stack (plain or QTensor), i traced: the expert a block of rows uses."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), w)
+
+
+def host_index(w, i: int):
+    """Matrix i of a host stack, copied out (so it holds no view of the stack)."""
+    return jax.tree.map(lambda a: np.array(a[i]), w)
+
+
+def as_float_stack(w) -> jax.Array:
+    """A stack of matrices as float x @ W operands [E, K, N], inside jitted code: for
+    lax.ragged_dot, which takes no QTensor (the GPU path)."""
+    return dequantize(w).swapaxes(-1, -2) if isinstance(w, QTensor) else w
+
+
+QUANTIZE_BLOCK = 32
+
+
+def quantize(w: np.ndarray, layout: str, source: str) -> QTensor:
+    """Weight-only, group-wise quantization of a float matrix [..., N, K] (K a multiple of
+    32) on the host, a group of 32 along K each: q8 is symmetric (scale = absmax / 127, no
+    min), q4 asymmetric (scale = (max - min) / 15, min), as GGUF's Q8_0 and Q4_1 are."""
+    w = np.asarray(w, np.float32)
+    groups = w.reshape(*w.shape[:-1], -1, QUANTIZE_BLOCK)
+    if layout == "q8":
+        scale = np.abs(groups).max(axis=-1) / 127
+        q = np.rint(groups / np.where(scale == 0, 1, scale)[..., None])
+        values, mins = np.clip(q, -127, 127).astype(np.int8).reshape(w.shape), None
+    elif layout == "q4":
+        mins = groups.min(axis=-1)
+        scale = (groups.max(axis=-1) - mins) / 15
+        q = np.clip(np.rint((groups - mins[..., None]) / np.where(scale == 0, 1, scale)[..., None]), 0, 15)
+        q = q.astype(np.uint8)
+        values = (q[..., :16] | (q[..., 16:] << 4)).reshape(*w.shape[:-1], -1)
+    else:
+        raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
+    return QTensor(values, scale.astype(np.float32), mins, layout, QUANTIZE_BLOCK, source)

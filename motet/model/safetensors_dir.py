@@ -140,6 +140,9 @@ class SafetensorsSource:
         """Hugging Face checkpoints hold floats."""
         return None
 
+    def get_packed_expert(self, name: str, e: int) -> None:
+        return None
+
     def describe(self, name: str) -> str:
         if name in self.files:
             st, hf_name = self.files[name]

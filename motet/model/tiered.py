@@ -118,7 +118,8 @@ def _pool_experts(h, w, slot_ids, gate_up, down, impl, sharded):
 
 @partial(jax.jit, static_argnames=("mesh",), donate_argnums=(0, 1))
 def put_experts(pool_gate_up, pool_down, slots, gate_up, down, *, mesh: Mesh | None = None):
-    """Write experts gate_up [n, d, 2f], down [n, f, d] into pool slots [n] (in place).
+    """Write experts gate_up [n, d, 2f], down [n, f, d] (or QTensor stacks) into pool
+    slots [n] (in place).
     A loop of dynamic_update_slice: a scatter would copy the pool on XLA:CPU. mesh: the
     pool is split over it (POOL_SPECS); each device writes the slots of its own range."""
     if mesh is None:
@@ -134,20 +135,25 @@ def put_experts(pool_gate_up, pool_down, slots, gate_up, down, *, mesh: Mesh | N
 
 
 def _put(pool_gate_up, pool_down, slots, gate_up, down):
-    """slots: local indices; one outside [0, c) is another device's (left as it is)."""
-    c = pool_gate_up.shape[0]
+    """slots: local indices; one outside [0, c) is another device's (left as it is).
+    Every leaf of the pools (a QTensor's values, scales and mins) moves alike."""
+    c = _slot_count(pool_gate_up)
 
     def write(pool, new, s):
         at = jnp.clip(s, 0, c - 1)
-        old = jax.lax.dynamic_slice(pool, (at, 0, 0), (1, *pool.shape[1:]))
+        start = (at,) + (0,) * (pool.ndim - 1)
+        old = jax.lax.dynamic_slice(pool, start, (1, *pool.shape[1:]))
         here = (s >= 0) & (s < c)
-        return jax.lax.dynamic_update_slice(pool, jnp.where(here, new[None], old), (at, 0, 0))
+        return jax.lax.dynamic_update_slice(pool, jnp.where(here, new[None], old), start)
 
     def one(i, pools):
-        gu, dn = pools
-        return write(gu, gate_up[i], slots[i]), write(dn, down[i], slots[i])
+        return jax.tree.map(lambda pool, new: write(pool, new[i], slots[i]), pools, (gate_up, down))
 
     return jax.lax.fori_loop(0, slots.shape[0], one, (pool_gate_up, pool_down))
+
+
+def _slot_count(pool) -> int:
+    return jax.tree.leaves(pool)[0].shape[0]
 
 
 @partial(jax.jit, static_argnames=("mesh",))
@@ -169,16 +175,15 @@ def take_experts(pool_gate_up, pool_down, slots, *, mesh: Mesh | None = None):
 
 def _take(pool_gate_up, pool_down, slots):
     """slots: local indices; one outside [0, c) is another device's (copied as zeros)."""
-    n, (c, d, f2) = slots.shape[0], pool_gate_up.shape
+    n, c, pools = slots.shape[0], _slot_count(pool_gate_up), (pool_gate_up, pool_down)
 
     def one(i, out):
-        gu, dn = out
         at, here = jnp.clip(slots[i], 0, c - 1), (slots[i] >= 0) & (slots[i] < c)
-        gu = gu.at[i].set(jnp.where(here, jax.lax.dynamic_slice(pool_gate_up, (at, 0, 0), (1, d, f2))[0], 0))
-        dn = dn.at[i].set(jnp.where(here, jax.lax.dynamic_slice(pool_down, (at, 0, 0), (1, f2 // 2, d))[0], 0))
-        return gu, dn
+        return jax.tree.map(
+            lambda o, pool: o.at[i].set(jnp.where(here, jax.lax.dynamic_index_in_dim(pool, at, 0, False), 0)),
+            out, pools)
 
-    init = (jnp.zeros((n, d, f2), pool_gate_up.dtype), jnp.zeros((n, f2 // 2, d), pool_down.dtype))
+    init = jax.tree.map(lambda pool: jnp.zeros((n, *pool.shape[1:]), pool.dtype), pools)
     return jax.lax.fori_loop(0, n, one, init)
 
 

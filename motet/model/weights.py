@@ -13,8 +13,9 @@ GEMVs; each layer is its own set of arrays (slicing a stacked array copies on XL
 With a mesh, each leaf goes from the host straight into its shards (sharding.place_leaf,
 which also interleaves the fused matrices' columns by tp shard).
 
-Quantized (pack_weights(quantized=True)), wqkv, wo, w_gate_up, w_down, lm_head and
-embed are QTensors as the file holds them: [out, in] rows, the head [V, d] (quant.py).
+Quantized (pack_weights(quantized=True)), wqkv, wo, w_gate_up, w_down, lm_head, embed
+and the experts are QTensors as the file holds them: [out, in] rows, the head [V, d],
+experts_gate_up [E, 2·f, d], experts_down [E, d, f] (quant.py).
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ class TensorSource(Protocol):
         the file holds it as floats."""
         ...
 
+    def get_packed_expert(self, name: str, e: int) -> QTensor | None:
+        """Expert e of a stacked expert tensor, as get_packed (the tiered pool's reads)."""
+        ...
+
 
 def _get(source: TensorSource, name: str, shape: tuple[int, ...]) -> np.ndarray:
     w = source.get(name)
@@ -57,10 +62,10 @@ def _get(source: TensorSource, name: str, shape: tuple[int, ...]) -> np.ndarray:
     return np.asarray(w, dtype=np.float32)
 
 
-def _matrix(source: TensorSource, parts: list[tuple[str, tuple[int, int]]], quantized: bool):
-    """The rows of `parts` ([out, in] each, as files hold them) as one matrix: a QTensor
-    [out, in] when quantized and the file holds every part quantized, else float32
-    [in, out] (x @ W)."""
+def _matrix(source: TensorSource, parts: list[tuple[str, tuple[int, ...]]], quantized: bool):
+    """The rows of `parts` ([out, in] each, as files hold them; [E, out, in] for a stack
+    of experts) as one matrix: a QTensor [..., out, in] when quantized and the file holds
+    every part quantized, else float32 [..., in, out] (x @ W)."""
     if quantized:
         packed = [source.get_packed(name) for name, _ in parts]
         if all(p is not None for p in packed):
@@ -69,7 +74,7 @@ def _matrix(source: TensorSource, parts: list[tuple[str, tuple[int, int]]], quan
                     raise ModelFileError(f"{source.describe(name)} has shape {p.shape}, "
                                          f"expected {shape} from the model's config")
             return packed[0] if len(packed) == 1 else stack_rows(packed)
-    return np.concatenate([_get(source, name, shape) for name, shape in parts]).T
+    return np.concatenate([_get(source, name, shape) for name, shape in parts], axis=-2).swapaxes(-1, -2)
 
 
 def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, experts: bool = True,
@@ -77,8 +82,8 @@ def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, expe
     """experts=False leaves the experts out (a tiered model reads them one by one from
     the source when the expert pool needs them); the routers are always packed.
     mesh: place every leaf in its shards on the mesh (sharding.py) instead of one device.
-    quantized: keep the projections, the embedding and the LM head as the file
-    quantized them (QTensor, quant.py); the experts and norms stay float32."""
+    quantized: keep the projections, the experts, the embedding and the LM head as the
+    file quantized them (QTensor, quant.py); the norms and routers stay float32."""
     if mesh is None:
         def put(name: str, array, dtype) -> jax.Array:
             if isinstance(array, QTensor):
@@ -125,15 +130,12 @@ def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, expe
             if not experts:
                 weights["layers"].append(layer)
                 continue
-            gate = _get(source, p + "experts.gate", (e, f, d))
-            up = _get(source, p + "experts.up", (e, f, d))
-            layer["experts_gate_up"] = put(
-                "experts_gate_up", np.concatenate([gate, up], axis=1).transpose(0, 2, 1), dtype
-            )
-            del gate, up
-            layer["experts_down"] = put(
-                "experts_down", _get(source, p + "experts.down", (e, d, f)).transpose(0, 2, 1), dtype
-            )
+            gate_up = _matrix(source, [(p + "experts.gate", (e, f, d)), (p + "experts.up", (e, f, d))],
+                              quantized)
+            layer["experts_gate_up"] = put("experts_gate_up", gate_up, dtype)
+            del gate_up
+            layer["experts_down"] = put("experts_down", _matrix(source, [(p + "experts.down", (e, d, f))],
+                                                                quantized), dtype)
         else:
             ff = cfg.intermediate_size
             gate_up = _matrix(source, [(p + "gate", (ff, d)), (p + "up", (ff, d))], quantized)

@@ -13,14 +13,16 @@ DEFAULT_COMPILE_CACHE = Path.home() / ".cache" / "motet" / "jax"
 @dataclass(frozen=True)
 class ModelSettings:
     path: Path | None = None  # None: the embedded default model
-    dtype: str = "auto"  # quantized weights as the file holds them; float32 / bfloat16 dequantize
+    # auto: quantized weights as the file holds them; float32 / bfloat16 dequantize;
+    # int8 / int4 (--quantize): auto, with the file's float tensors quantized at load
+    dtype: str = "auto"
     max_context: int | None = None  # None: the model's own
     compile_cache: Path | None = None  # JAX's persistent compilation cache
     mesh: str | None = None  # shard over devices, "ep=2,tp=2" (docs/scaling.md); None: one device
 
     def __post_init__(self):
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "int8", "int4"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16, int8 or int4, got {self.dtype!r}")
         if self.max_context is not None and self.max_context < 16:
             raise ValueError(f"max_context must be at least 16, got {self.max_context}")
 

@@ -1,0 +1,134 @@
+"""Quantized weights of MoE models: experts stay quantized resident, in the device pool,
+in host RAM and when read from the file, and compute what float32 computes on the same
+values. The checkpoints are the golden Hugging Face ones quantized at load (--quantize)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from dataclasses import replace
+
+import gguf
+import jax
+import numpy as np
+import pytest
+
+from conftest import GOLDEN
+from motet.model import load_model
+from motet.model.gguf_file import GGUFSource, open_gguf
+from motet.model.quant import QTensor, dequantize, host_index, quantize
+from motet.model.tiered_model import TieredModel
+from test_expert_tiers import MOE_ARCHS, long_prompt, make_pool, resident_run, tiered_run
+
+RTOL = 1e-3  # weight-only paths against float32 on the same values (the issue's bound)
+
+
+def dequantized(model):
+    """The model with every QTensor replaced by the float32 matrix it stands for, in the
+    float layout (x @ W; the embedding's rows stay rows)."""
+    def leaf(name: str, w):
+        if not isinstance(w, QTensor):
+            return w
+        f = np.asarray(dequantize(w))
+        return f if name == "embed" else np.swapaxes(f, -1, -2)
+
+    weights = {k: leaf(k, v) for k, v in model.weights.items() if k != "layers"}
+    weights["layers"] = [{k: leaf(k, v) for k, v in layer.items()} for layer in model.weights["layers"]]
+    return replace(model, weights=jax.device_put(weights))
+
+
+def relative_error(got, want) -> float:
+    return float(np.abs(np.asarray(got) - np.asarray(want)).max() / np.abs(np.asarray(want)).max())
+
+
+def test_quantize_keeps_each_value_within_half_a_step():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 96)).astype(np.float32)
+    w[1] = 0  # an all-zero row, and a constant one
+    w[2] = 0.75
+    for layout, steps in (("q8", 254), ("q4", 15)):
+        q = quantize(w, layout, "test")
+        back = np.asarray(dequantize(q))
+        groups = w.reshape(6, -1, 32)
+        step = np.repeat((groups.max(-1) - groups.min(-1)) / steps, 32, axis=-1).reshape(w.shape)
+        if layout == "q8":  # symmetric: absmax / 127
+            step = np.repeat(np.abs(groups).max(-1) / 127, 32, axis=-1).reshape(w.shape)
+        assert np.all(np.abs(back - w) <= step / 2 + 1e-6), layout
+        np.testing.assert_array_equal(back[1], 0)
+        np.testing.assert_allclose(back[2], 0.75, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ("int8", "int4"))
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_quantized_experts_compute_what_float32_computes_on_the_same_values(arch, kind):
+    model = load_model(GOLDEN / arch, dtype=kind)
+    layer = next(x for x in model.weights["layers"] if "experts_gate_up" in x)
+    cfg = model.config
+    assert isinstance(layer["experts_gate_up"], QTensor) and isinstance(layer["experts_down"], QTensor)
+    assert layer["experts_gate_up"].shape == (cfg.n_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
+    assert model.weights["lm_head"].source == "int8"  # the head keeps 8 bits even at int4
+    ids = np.load(GOLDEN / arch / "golden.npz")["prompt_ids"]
+    assert relative_error(model.logits(ids), dequantized(model).logits(ids)) < RTOL
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_quantized_tiered_experts_give_the_resident_greedy_tokens(arch):
+    """A pool of top-k slots and a RAM tier of a few experts, every one quantized: the
+    same tokens as the resident quantized model, the pool and RAM holding the bytes of
+    quantized experts."""
+    resident = load_model(GOLDEN / arch, dtype="int4")
+    lazy = load_model(GOLDEN / arch, dtype="int4", lazy_experts=True)
+    cfg = resident.config
+    prompt = long_prompt(arch, cfg.vocab_size)
+    want_tokens, want_logits, want_routing = resident_run(resident, prompt)
+    pool = make_pool(lazy, cfg.n_experts_per_tok, ram=3)
+    tokens, logits, routing = tiered_run(TieredModel(lazy, pool), prompt)
+    assert tokens == want_tokens
+    np.testing.assert_array_equal(routing, want_routing)
+    assert relative_error(logits, want_logits) < RTOL
+    assert pool.quantized and isinstance(pool.pools[0][0], QTensor)
+    assert pool.device_bytes() == sum(leaf.nbytes for leaf in jax.tree.leaves(pool.pools))
+    assert pool.stats.moves and len(pool.ram) == 3
+    assert all(isinstance(gu, QTensor) for gu, _ in pool.ram.values())
+    assert pool.ram_bytes() == 3 * pool.expert_bytes[0]
+    float_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
+    assert pool.expert_bytes.max() * 5 < float_expert  # 4 bits and a scale and min per 32
+
+
+def test_an_expert_read_from_a_quantized_gguf_is_a_raw_slice_of_the_file(tmp_path):
+    """The disk tier's read: expert e alone, still quantized, the same as expert e of
+    the whole tensor repacked, and the values gguf itself dequantizes."""
+    w = np.random.default_rng(1).standard_normal((4, 8, 64)).astype(np.float32)  # [E, f, d]
+    path = tmp_path / "experts.gguf"
+    writer = gguf.GGUFWriter(path, "qwen3moe")
+    for name, kind in (("ffn_gate_exps", gguf.GGMLQuantizationType.Q8_0),
+                       ("ffn_up_exps", gguf.GGMLQuantizationType.Q4_1)):
+        raw = gguf.quants.quantize(w, kind)
+        writer.add_tensor(f"blk.0.{name}.weight", raw, raw_shape=raw.shape, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    source = GGUFSource(path, open_gguf(path), None)
+    for name in ("0.experts.gate", "0.experts.up"):
+        whole = source.get_packed(name)
+        assert whole.shape == (4, 8, 64)
+        for e in range(4):
+            one = source.get_packed_expert(name, e)
+            assert isinstance(one, QTensor) and one.shape == (8, 64)
+            for got, want in zip(jax.tree.leaves(one), jax.tree.leaves(host_index(whole, e))):
+                np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(np.asarray(dequantize(one)), source.get_expert(name, e))
+
+
+def test_motet_info_quantizes_a_float_checkpoint_on_request():
+    cmd = [sys.executable, "-m", "motet", "info", "--model", str(GOLDEN / "qwen3_moe")]
+    out = subprocess.run([*cmd, "--quantize", "int4"], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    assert re.search(r"experts_gate_up\s+int4", out) and re.search(r"lm_head\s+int8", out)
+    plain = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+    assert re.search(r"experts_gate_up\s+float32", plain)
+    wrong = subprocess.run([*cmd, "--quantize", "int4", "--dtype", "bfloat16"], capture_output=True,
+                           text=True, timeout=120)
+    assert wrong.returncode == 2 and "cannot go with --dtype bfloat16" in wrong.stderr
