@@ -1,6 +1,7 @@
 """Quantized weights of MoE models: experts stay quantized resident, in the device pool,
 in host RAM and when read from the file, and compute what float32 computes on the same
-values. The checkpoints are the golden Hugging Face ones quantized at load (--quantize)."""
+values. The checkpoints are the golden Hugging Face ones, quantized at load (--quantize)
+or written as quantized GGUF files (gguf_fixtures.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import numpy as np
 import pytest
 
 from conftest import GOLDEN
+from gguf import GGMLQuantizationType as Q
+from gguf_fixtures import mix, simple, write_gguf
 from motet.model import load_model
 from motet.model.gguf_file import GGUFSource, open_gguf
 from motet.model.quant import QTensor, dequantize, host_index, quantize
@@ -132,3 +135,35 @@ def test_motet_info_quantizes_a_float_checkpoint_on_request():
     wrong = subprocess.run([*cmd, "--quantize", "int4", "--dtype", "bfloat16"], capture_output=True,
                            text=True, timeout=120)
     assert wrong.returncode == 2 and "cannot go with --dtype bfloat16" in wrong.stderr
+
+
+# A Q4_K_M-like mix where these tiny checkpoints allow it (rows of 32 or 64 values fit
+# the legacy types only): attention in Q4_0, gate and up in Q4_1, down and the head in Q8_0.
+def _mixed(name: str, array) -> Q:
+    if "attn_" in name:
+        return Q.Q4_0
+    if "down" in name or name == "output.weight" or name == "token_embd.weight":
+        return Q.Q8_0
+    return Q.Q4_1
+
+
+@pytest.mark.parametrize("policy", ("Q8_0", "mixed"))
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_a_quantized_moe_gguf_computes_what_float32_computes_on_its_values(tmp_path, arch, policy):
+    """The file's own values, kept quantized (the default) against dequantized to float32
+    (--dtype float32), on the same file: experts included, and every tier."""
+    path = write_gguf(GOLDEN / arch, tmp_path / f"{arch}.gguf", mix(_mixed) if policy == "mixed" else simple(policy))
+    quantized, float32 = load_model(path), load_model(path, dtype="float32")
+    layer = next(x for x in quantized.weights["layers"] if "experts_gate_up" in x)
+    want_source = {"Q8_0": "Q8_0", "mixed": "Q4_1"}[policy]
+    assert isinstance(layer["experts_gate_up"], QTensor) and layer["experts_gate_up"].source == want_source
+    assert not isinstance(float32.weights["layers"][0]["wqkv"], QTensor)
+    prompt = long_prompt(arch, quantized.config.vocab_size)
+    assert relative_error(quantized.logits(prompt), float32.logits(prompt)) < RTOL
+    # tiered, every expert read from the file as a raw slice
+    lazy = load_model(path, lazy_experts=True)
+    want_tokens, want_logits, _ = resident_run(quantized, prompt)
+    pool = make_pool(lazy, quantized.config.n_experts_per_tok, ram=2)
+    tokens, logits, _ = tiered_run(TieredModel(lazy, pool), prompt)
+    assert tokens == want_tokens and pool.quantized
+    assert relative_error(logits, want_logits) < RTOL

@@ -121,8 +121,8 @@ def _open_file(path: Path):
         raise ModelFileError(f"{path}: not a GGUF file or a Hugging Face model directory")
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    cfg = config_from_gguf(meta, has_output)
+    names = {t.name for t in reader.tensors}
+    cfg = config_from_gguf(meta, "output.weight" in names, names)
     # llama.cpp's converter permutes Q/K rows for the llama architecture only.
     permuted = (cfg.n_heads, cfg.n_kv_heads) if meta.get("general.architecture") == "llama" else None
     return cfg, Tokenizer.from_gguf(meta), GGUFSource(path, reader, permuted)
