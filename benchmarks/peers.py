@@ -1,13 +1,18 @@
-"""motet against llama.cpp on the default model's GGUF file, the same token ids, side by
-side in one run: single-stream decode, 16 concurrent streams, and a 512-token prefill.
+"""motet against llama.cpp on the same GGUF files, the same token ids, side by side in
+one run: single-stream decode, 16 concurrent streams, and a 512-token prefill.
 
-    .venv/bin/python benchmarks/peers.py [--repeats N] [--threads T]
+    .venv/bin/python benchmarks/peers.py [--files default,moe-q4km,moe-q8] [--repeats N] [--threads T]
+
+The files: the default model (SmolLM2-135M-Instruct, Q4_1), and a generated MoE of
+realistic shape (benchmarks/moe_gguf.py: Qwen3-MoE layout, 12 layers, 32 experts, top-4,
+d=512) quantized by llama.cpp itself to Q4_K_M and to Q8_0.
 
 llama.cpp runs through llama-cpp-python's low-level API (a benchmark-only dependency,
 not one of motet's) in a child process, so a build that crashes on this CPU is reported
 rather than taking the run down; motet runs in this process through its Engine.
 
-What is measured (best of --repeats timed runs, after an untimed run of every scenario):
+What is measured per file (best of --repeats timed runs, after an untimed run of every
+scenario):
   peak RSS  each engine's process at its peak (motet: this process, with the Engine's KV
             cache; llama.cpp: its child process, with its own)
   single    greedy decode tokens/s after a short chat prompt: (generated - 1) / (time
@@ -16,6 +21,10 @@ What is measured (best of --repeats timed runs, after an untimed run of every sc
             after every stream has finished its prefill / the time they took, and the
             wall time from submitting the first prompt to the last token.
   prefill   512-token prompt: prompt tokens / time to the first token.
+  overhead  motet only: the bare jitted decode step of one row (decode, KV write,
+            sampling, the token read back; no scheduler, no Trio), timed in the same
+            process, against the engine's time per token at one stream: what the runtime
+            around the step costs.
 
 Both engines see identical ids, built with motet's tokenizer. llama.cpp never stops on
 EOS; motet does, so the prompts ask for long essays and the output reports what each
@@ -83,15 +92,17 @@ class Workload:
     prefill: list[int]  # PREFILL_PROMPT ids
 
 
-def chat_ids(model, tag: str, topic: str, length: int | None) -> list[int]:
+def chat_ids(chat, tag: str, topic: str, length: int | None) -> list[int]:
     """A ChatML prompt asking for a long essay; with `length`, notes padded or cut so the
     prompt is exactly `length` ids. `tag` opens the system message, so prompts of
-    different runs share only the template's first tokens."""
-    enc = model.tokenizer.encode
+    different runs share only the template's first tokens. chat: (tokenizer, render),
+    as motet.model.load_chat gives them."""
+    tokenizer, render = chat
+    enc = tokenizer.encode
     fill = "\x00NOTES\x00"
     ask = f"write a very long, detailed essay about {topic}, in many sections."
     user = f"Notes:{fill}\n\nUsing these notes, {ask}" if length else ask[0].upper() + ask[1:]
-    text = model.render_chat([
+    text = render([
         {"role": "system", "content": f"{tag}. You are a helpful writer of long essays."},
         {"role": "user", "content": user},
     ])
@@ -103,13 +114,13 @@ def chat_ids(model, tag: str, topic: str, length: int | None) -> list[int]:
     return head + notes[:need] + tail
 
 
-def workload(model, run: int) -> Workload:
+def workload(chat, run: int) -> Workload:
     tag = f"Session {run}"
     return Workload(
-        single=chat_ids(model, tag, TOPICS[run % len(TOPICS)], None),
-        streams=[chat_ids(model, f"{tag}.{i}", TOPICS[(run + i) % len(TOPICS)], STREAM_PROMPT)
+        single=chat_ids(chat, tag, TOPICS[run % len(TOPICS)], None),
+        streams=[chat_ids(chat, f"{tag}.{i}", TOPICS[(run + i) % len(TOPICS)], STREAM_PROMPT)
                  for i in range(STREAMS)],
-        prefill=chat_ids(model, f"{tag} long", TOPICS[(run + 7) % len(TOPICS)], PREFILL_PROMPT),
+        prefill=chat_ids(chat, f"{tag} long", TOPICS[(run + 7) % len(TOPICS)], PREFILL_PROMPT),
     )
 
 
@@ -169,6 +180,40 @@ async def motet_runs(model, runs: list[Workload]) -> list[dict]:
             prefill = {"tok_s": len(w.prefill) / ttft, "ttft_s": ttft, "reused_tokens": long["reused_tokens"]}
             out.append({"single": single, "streams": streams, "prefill": prefill})
     return out
+
+
+def bare_step_ms(model, repeats: int = 30) -> float:
+    """One row's decode step with nothing around it: the jitted step, its KV write and
+    greedy sampling, the token read back to the host each step (as the engine must)."""
+    from motet.model.generate import decode_padded
+    from motet.model.kv import KVGeometry, init_kv
+    from motet.model.sampling import sample
+
+    geo = KVGeometry(n_slots=STREAMS, max_context=1024, chunk=256)
+    kv = init_kv(model.config, geo)
+    temp, top_p, keys = np.zeros(1, np.float32), np.ones(1, np.float32), np.zeros((1, 2), np.uint32)
+    token, best = 1, float("inf")
+    for attempt in range(4):  # the first compiles
+        started = time.perf_counter()
+        for i in range(repeats):
+            logits, kv, _ = decode_padded(model, kv, geo, [token], [0], [64 + i])
+            token = int(np.asarray(sample(logits, temp, top_p, keys, False)[0])[0])
+        if attempt:
+            best = min(best, (time.perf_counter() - started) / repeats)
+    return best * 1e3
+
+
+def motet_child_runs(job: dict) -> dict:
+    import trio
+
+    from motet.model import load_model
+
+    model = load_model(job["model"])
+    runs = [Workload(**w) for w in job["runs"]]
+    out = trio.run(motet_runs, model, runs)
+    step_ms = bare_step_ms(model)
+    return {"runs": out, "bare_step_ms": step_ms,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 # ---- llama.cpp (in a child process) ---------------------------------------------------
@@ -259,17 +304,28 @@ def llama_cpp_runs(job: dict) -> list[dict]:
     return out
 
 
-def llama_cpp_child() -> int:
-    json.dump(llama_cpp_runs(json.load(sys.stdin)), sys.stdout)
+def child(which: str) -> int:
+    """The body of a child process: the job on stdin, the result as JSON on stdout, the
+    process's own peak RSS in it (each engine measured alone, each file afresh)."""
+    job = json.load(sys.stdin)
+    if which == "llama.cpp":
+        result = {"runs": llama_cpp_runs(job),
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    else:
+        result = motet_child_runs(job)
+    real_stdout.write(json.dumps(result))
     return 0
 
 
-def run_llama_cpp(job: dict) -> list[dict] | None:
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--llama-cpp-child"],
+def run_child(which: str, job: dict) -> dict | None:
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", which],
                           input=json.dumps(job), capture_output=True, text=True)
     if proc.returncode == 0:
         return json.loads(proc.stdout)
     sys.stderr.write(proc.stderr[-4000:])
+    if which == "motet":
+        print(f"motet's child exited with {proc.returncode}", file=sys.stderr)
+        return None
     why = "died of SIGILL: this build uses instructions this CPU lacks" if proc.returncode == -4 \
         else f"exited with {proc.returncode}"
     print(f"llama.cpp (llama-cpp-python) {why}. Rebuild it for this CPU:\n  {install_hint()}", file=sys.stderr)
@@ -299,71 +355,109 @@ def summarize(runs: list[dict]) -> dict:
             "prefill": best(runs, "prefill", "tok_s")}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs; the best is reported")
-    parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
-    parser.add_argument("--llama-cpp-child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.llama_cpp_child:
-        return llama_cpp_child()
-    if importlib.util.find_spec("llama_cpp") is None:
-        print("llama-cpp-python is not installed; this benchmark needs it (motet does not). "
-              f"Install it with:\n  {install_hint()}", file=sys.stderr)
-        return 2
+def compare(name: str, path: Path, args) -> tuple[dict, str] | None:
+    """Both engines on one file: the JSON result and its table."""
+    from motet.model import load_chat
 
-    import trio
-
-    from motet.model import default_model_path, load_model
-
-    started = time.perf_counter()
-    model = load_model()
-    runs = [workload(model, run) for run in range(args.repeats + 1)]  # run 0: untimed
-    job = {"model": str(default_model_path()), "threads": args.threads,
+    chat = load_chat(path)
+    runs = [workload(chat, run) for run in range(args.repeats + 1)]  # run 0: untimed
+    job = {"model": str(path), "threads": args.threads,
            "n_ctx": STREAMS * -(-(PREFILL_PROMPT + NEW_TOKENS) // 256) * 256,  # cells per sequence
            "runs": [asdict(w) for w in runs]}
-    peer = run_llama_cpp(job)
-    if peer is None:
-        return 3
-    peer_rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the child, its peak
-    ours = trio.run(motet_runs, model, runs)
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    ours, peer = ours[1:], peer[1:]
-    m, p = summarize(ours), summarize(peer)
-    m["peak_rss_mb"], p["peak_rss_mb"] = rss_mb, peer_rss_mb
+    peer = run_child("llama.cpp", job)
+    ours = run_child("motet", job) if peer is not None else None
+    if ours is None:
+        return None
+    m, p = summarize(ours["runs"][1:]), summarize(peer["runs"][1:])
+    m["peak_rss_mb"], p["peak_rss_mb"] = ours["peak_rss_mb"], peer["peak_rss_mb"]
+    token_ms = 1e3 / m["single"]["decode_tok_s"]
+    m["bare_step_ms"], m["token_interval_ms"] = ours["bare_step_ms"], token_ms
+    m["overhead_ms"] = token_ms - ours["bare_step_ms"]
     ratios = {"single_decode": m["single"]["decode_tok_s"] / p["single"]["decode_tok_s"],
               "streams_decode": m["streams"]["aggregate_decode_tok_s"] / p["streams"]["aggregate_decode_tok_s"],
               "streams_wall_time": m["streams_wall_s"] / p["streams_wall_s"],
               "prefill": m["prefill"]["tok_s"] / p["prefill"]["tok_s"],
-              "peak_rss": rss_mb / peer_rss_mb}
+              "peak_rss": m["peak_rss_mb"] / p["peak_rss_mb"]}
     result = {
-        "model": job["model"], "llama_cpp_threads": args.threads, "timed_runs": args.repeats,
+        "file": name, "model": str(path), "bytes": path.stat().st_size,
+        "llama_cpp_threads": args.threads, "timed_runs": args.repeats,
         "reported": "best of the timed runs; ratios are motet / llama.cpp",
         "workload": {"single_prompt_tokens": [len(w.single) for w in runs[1:]], "new_tokens": NEW_TOKENS,
                      "streams": STREAMS, "stream_prompt_tokens": STREAM_PROMPT,
                      "prefill_prompt_tokens": PREFILL_PROMPT},
         "motet": m, "llama_cpp": p, "ratios": ratios,
         "greedy_agreement_tokens": [agreement(a["single"]["tokens"], b["single"]["tokens"])
-                                    for a, b in zip(ours, peer)],
-        "run_s": time.perf_counter() - started,
+                                    for a, b in zip(ours["runs"][1:], peer["runs"][1:])],
     }
-    print(json.dumps(result, indent=1))
     rows = [("decode, 1 stream (tok/s)", m["single"]["decode_tok_s"], p["single"]["decode_tok_s"]),
             (f"decode, {STREAMS} streams (tok/s)", m["streams"]["aggregate_decode_tok_s"],
              p["streams"]["aggregate_decode_tok_s"]),
             (f"{STREAMS} streams, wall (s)", m["streams_wall_s"], p["streams_wall_s"]),
             (f"prefill, {PREFILL_PROMPT} tokens (tok/s)", m["prefill"]["tok_s"], p["prefill"]["tok_s"]),
-            ("peak RSS (MB)", rss_mb, peer_rss_mb)]
-    print(f"\n{'':<30} {'motet':>8} {'llama.cpp':>9} {'ratio':>6}")
-    for name, a, b in rows:
-        print(f"{name:<30} {a:>8.1f} {b:>9.1f} {a / b:>6.2f}")
+            ("peak RSS (MB)", m["peak_rss_mb"], p["peak_rss_mb"])]
+    lines = [f"\n{name} ({path.name}, {path.stat().st_size / 1e6:.0f} MB)"]
+    lines.append(f"{'':<30} {'motet':>8} {'llama.cpp':>9} {'ratio':>6}")
+    for label, a, b in rows:
+        lines.append(f"{label:<30} {a:>8.1f} {b:>9.1f} {a / b:>6.2f}")
     gen = m["streams"]["generated_per_stream"]
-    print(f"generated: motet {m['single']['generated']} (1 stream), {min(gen)}-{max(gen)} per stream "
-          f"({m['streams']['stopped_early']} stopped early); llama.cpp {NEW_TOKENS} everywhere (no EOS stop)")
-    print(f"greedy tokens shared before the engines diverge (1 stream, per run): "
-          f"{result['greedy_agreement_tokens']} (near-tied logits: llama.cpp quantizes activations)")
+    lines.append(f"generated: motet {m['single']['generated']} (1 stream), {min(gen)}-{max(gen)} per stream "
+                 f"({m['streams']['stopped_early']} stopped early); llama.cpp {NEW_TOKENS} everywhere "
+                 "(no EOS stop)")
+    lines.append(f"motet per token at 1 stream: {token_ms:.1f} ms, of which the bare step "
+                 f"{ours['bare_step_ms']:.1f} ms and the runtime around it {m['overhead_ms']:.1f} ms")
+    lines.append(f"greedy tokens shared before the engines diverge (1 stream, per run): "
+                 f"{result['greedy_agreement_tokens']} (near-tied logits: llama.cpp quantizes activations)")
+    table = "\n".join(lines)
+    print(table, file=sys.stderr)  # progress, while the next file runs
+    return result, table
+
+
+def files(names: list[str]) -> dict[str, Path]:
+    from motet.model import default_model_path
+
+    out = {}
+    for name in names:
+        if name == "default":
+            out[name] = default_model_path()
+        elif name in ("moe-q4km", "moe-q8"):
+            from moe_gguf import moe_files
+
+            made = moe_files()
+            out[name] = made["Q4_K_M" if name == "moe-q4km" else "Q8_0"]
+        else:
+            out[name] = Path(name)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--files", default="default,moe-q4km,moe-q8",
+                        help="comma-separated: default, moe-q4km, moe-q8 or paths of GGUF files")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs; the best is reported")
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    parser.add_argument("--child", choices=("llama.cpp", "motet"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return child(args.child)
+    if importlib.util.find_spec("llama_cpp") is None:
+        print("llama-cpp-python is not installed; this benchmark needs it (motet does not). "
+              f"Install it with:\n  {install_hint()}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    results, tables = [], []
+    for name, path in files(args.files.split(",")).items():
+        compared = compare(name, path, args)
+        if compared is None:
+            return 3
+        results.append(compared[0])
+        tables.append(compared[1])
+    real_stdout.write(json.dumps({"files": results, "run_s": time.perf_counter() - started}, indent=1) + "\n")
+    real_stdout.write("\n".join(tables) + "\n")
     return 0
 
 
 if __name__ == "__main__":
+    # A child's stdout carries its JSON only: logs (and anything a library prints) go to stderr.
+    real_stdout = sys.stdout
+    sys.stdout = sys.stderr
     sys.exit(main())

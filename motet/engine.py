@@ -70,7 +70,10 @@ class Engine(Service, Collected):
         compile_cache: Path | str | None = "auto",
         warm_up: bool = True,
     ):
-        """experts: where a MoE model's experts live (default: all on the device unless
+        """dtype: "auto" runs a quantized file's weights as it holds them; "float32" or
+        "bfloat16" dequantizes every weight; "int8" or "int4" (the CLI's --quantize) is
+        auto with the file's float tensors quantized at load.
+        experts: where a MoE model's experts live (default: all on the device unless
         a budget says otherwise; see ExpertSettings). mesh: shard the model over several
         devices of this process, e.g. "ep=2,tp=2" (docs/scaling.md); experts stay resident.
         mirror: on process 0 of a group, where the runner sends its device calls for the
