@@ -2,7 +2,8 @@
 llama.cpp's convert_hf_to_gguf.py lays them out: its architecture names, metadata keys,
 tensor names and orientation, the Q/K row permutation of the "llama" architecture, and a
 byte-level BPE tokenizer. So motet's GGUF reader is tested on the files it will meet,
-against the same goldens as the Hugging Face reader.
+against the same goldens as the Hugging Face reader. write_tensors takes a config dict and
+tensors held in memory instead (benchmarks/moe_gguf.py writes its random models with it).
 
 Where this writer departs from the converter, on purpose:
   * tokenizer.ggml.pre is "gpt-2": the converter names the pre-tokenizer by hashing a
@@ -68,28 +69,35 @@ def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _read_tensors(hf_dir: Path, hf: dict) -> dict[str, np.ndarray]:
-    """GGUF name -> float32 array, experts stacked, Q/K permuted for "llama"."""
+def read_hf(hf_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """A checkpoint directory's config.json and its tensors (Hugging Face names, float32)."""
+    hf_dir = Path(hf_dir)
+    hf = json.loads((hf_dir / "config.json").read_text())
     raw: dict[str, np.ndarray] = {}
     for shard in sorted(hf_dir.glob("*.safetensors")):
-        raw.update(load_file(shard))
+        raw.update((name, np.asarray(a, dtype=np.float32)) for name, a in load_file(shard).items())
+    return hf, raw
+
+
+def gguf_tensors(raw: dict[str, np.ndarray], hf: dict) -> dict[str, np.ndarray]:
+    """Hugging Face name -> array to GGUF name -> array: experts stacked, Q/K permuted for
+    "llama". Arrays keep their dtype (float32 or float16)."""
     out: dict[str, np.ndarray] = {}
     experts: dict[str, dict[int, np.ndarray]] = {}
     for name, array in raw.items():
-        array = np.asarray(array, dtype=np.float32)
         if name.removesuffix(".weight") in _TOP:
             out[_TOP[name.removesuffix(".weight")] + ".weight"] = array
             continue
         m = _LAYER_RE.fullmatch(name)
         if m is None:
-            raise ValueError(f"{hf_dir}: no GGUF name for tensor {name!r}")
+            raise ValueError(f"no GGUF name for tensor {name!r}")
         layer, rest = m.groups()
         if e := _EXPERT_RE.fullmatch(rest):
             experts.setdefault(f"blk.{layer}.{_EXPERT[e[2]]}.weight", {})[int(e[1])] = array
         elif rest in _LAYER:
             out[f"blk.{layer}.{_LAYER[rest]}.weight"] = array
         else:
-            raise ValueError(f"{hf_dir}: no GGUF name for tensor {name!r}")
+            raise ValueError(f"no GGUF name for tensor {name!r}")
     for name, by_index in experts.items():
         out[name] = np.stack([by_index[i] for i in range(len(by_index))])
     if GGUF_ARCH[hf["model_type"]] == "llama":
@@ -163,27 +171,39 @@ def _keeps_f32(name: str, array: np.ndarray) -> bool:
 def write_gguf(hf_dir: Path, out: Path, quantize: Policy | None = None) -> Path:
     """Convert the checkpoint in hf_dir to a GGUF file at out. quantize: None writes every
     tensor float32; a policy (simple(), mix()) picks each weight's type."""
-    hf_dir, out = Path(hf_dir), Path(out)
-    hf = json.loads((hf_dir / "config.json").read_text())
+    hf_dir = Path(hf_dir)
+    hf, raw = read_hf(hf_dir)
+    return write_tensors(out, hf, raw, lambda w: _tokenizer(w, hf_dir, hf["vocab_size"]), quantize)
+
+
+def write_tensors(out: Path, hf: dict, raw: dict[str, np.ndarray],
+                  tokenizer: Callable[[gguf.GGUFWriter], None], quantize: Policy | None = None) -> Path:
+    """A GGUF file at out from a config.json dict and its tensors by Hugging Face name, held
+    in memory. tokenizer(writer) adds the tokenizer.* keys. quantize: None writes each
+    weight in its own dtype (float32 or float16: a "MOSTLY_F16" file) and norms and
+    routers float32; a policy (simple(), mix()) picks each weight's type."""
     if hf.get("model_type") not in GGUF_ARCH:
-        raise ValueError(f"{hf_dir}: model_type {hf.get('model_type')!r} is not one of {sorted(GGUF_ARCH)}")
-    writer = gguf.GGUFWriter(out, GGUF_ARCH[hf["model_type"]])  # writes general.architecture
+        raise ValueError(f"model_type {hf.get('model_type')!r} is not one of {sorted(GGUF_ARCH)}")
+    tensors = gguf_tensors(raw, hf)
+    writer = gguf.GGUFWriter(Path(out), GGUF_ARCH[hf["model_type"]])  # writes general.architecture
     _metadata(writer, hf)
-    _tokenizer(writer, hf_dir, hf["vocab_size"])
+    tokenizer(writer)
     if quantize is None:
-        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    for name, array in _read_tensors(hf_dir, hf).items():
-        packed = None if quantize is None or _keeps_f32(name, array) else quantize(name, array)
-        if packed is None:
+        half = any(a.dtype == np.float16 for a in tensors.values())
+        writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if half else gguf.LlamaFileType.ALL_F32)
+    for name, array in tensors.items():
+        if _keeps_f32(name, array):
+            writer.add_tensor(name, array.astype(np.float32, copy=False))
+        elif quantize is None or (packed := quantize(name, array)) is None:
             writer.add_tensor(name, array)
         else:
-            raw, kind = packed
-            writer.add_tensor(name, raw, raw_dtype=kind)
+            raw_bytes, kind = packed
+            writer.add_tensor(name, raw_bytes, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return out
+    return Path(out)
 
 
 # -- quantization policies --------------------------------------------------------------

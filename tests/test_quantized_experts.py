@@ -5,10 +5,12 @@ or written as quantized GGUF files (gguf_fixtures.py)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 from dataclasses import replace
+from functools import partial
 
 import gguf
 import jax
@@ -17,7 +19,8 @@ import pytest
 
 from conftest import GOLDEN
 from gguf import GGMLQuantizationType as Q
-from gguf_fixtures import mix, simple, write_gguf
+from gguf_fixtures import _tokenizer, mix, simple, write_gguf, write_tensors
+from kquants import quantize_k
 from motet.model import load_model
 from motet.model.gguf_file import GGUFSource, open_gguf
 from motet.model.quant import QTensor, dequantize, host_index, quantize
@@ -167,3 +170,63 @@ def test_a_quantized_moe_gguf_computes_what_float32_computes_on_its_values(tmp_p
     tokens, logits, _ = tiered_run(TieredModel(lazy, pool), prompt)
     assert tokens == want_tokens and pool.quantized
     assert relative_error(logits, want_logits) < RTOL
+
+
+def random_qwen3_moe(d: int = 256, f: int = 256, layers: int = 2, experts: int = 4, seed: int = 0):
+    """A config.json dict and random weights (Hugging Face names) of a Qwen3-MoE whose
+    rows fill the K types' 256-value super-blocks; the golden tokenizer's 512 tokens."""
+    hf = json.loads((GOLDEN / "qwen3_moe" / "config.json").read_text()) | {
+        "hidden_size": d, "moe_intermediate_size": f, "intermediate_size": f, "num_hidden_layers": layers,
+        "num_experts": experts, "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "mlp_only_layers": []}
+    rng = np.random.default_rng(seed)
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+
+    v, q, kv = hf["vocab_size"], 4 * 64, 2 * 64
+    raw = {"model.embed_tokens.weight": w(v, d), "lm_head.weight": w(v, d), "model.norm.weight": np.ones(d, np.float32)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        raw |= {p + "input_layernorm.weight": np.ones(d, np.float32),
+                p + "post_attention_layernorm.weight": np.ones(d, np.float32),
+                p + "self_attn.q_proj.weight": w(q, d), p + "self_attn.k_proj.weight": w(kv, d),
+                p + "self_attn.v_proj.weight": w(kv, d), p + "self_attn.o_proj.weight": w(d, q),
+                p + "self_attn.q_norm.weight": np.ones(64, np.float32),
+                p + "self_attn.k_norm.weight": np.ones(64, np.float32), p + "mlp.gate.weight": w(experts, d)}
+        for e in range(experts):
+            raw |= {f"{p}mlp.experts.{e}.gate_proj.weight": w(f, d), f"{p}mlp.experts.{e}.up_proj.weight": w(f, d),
+                    f"{p}mlp.experts.{e}.down_proj.weight": w(d, f)}
+    return hf, raw
+
+
+def _k_mix(name: str, array) -> Q:
+    """As llama.cpp's Q4_K_M mixes them: Q4_K mostly, Q6_K for V, the head and half the
+    layers' down projections (Q5_K for the others here, so two layers' experts differ)."""
+    if "attn_v" in name or name == "output.weight" or name == "blk.0.ffn_down_exps.weight":
+        return Q.Q6_K
+    if "ffn_down" in name:
+        return Q.Q5_K
+    return Q.Q4_K
+
+
+def test_a_k_quant_moe_gguf_runs_quantized_in_every_tier(tmp_path):
+    """Q4_K, Q5_K and Q6_K experts (a Q4_K_M-like mix, two layers' down projections in
+    different types): the same logits as the file dequantized to float32, and tiered the
+    resident greedy tokens, each layer's pool in its own layer's format."""
+    hf, raw = random_qwen3_moe()
+    path = write_tensors(tmp_path / "k.gguf", hf, raw, partial(_tokenizer, hf_dir=GOLDEN / "qwen3_moe",
+                                                               vocab_size=hf["vocab_size"]),
+                         mix(_k_mix, lambda array, kind: quantize_k(array, kind.name)))
+    quantized, float32 = load_model(path), load_model(path, dtype="float32")
+    downs = [layer["experts_down"].source for layer in quantized.weights["layers"]]
+    assert downs == ["Q6_K", "Q5_K"] and quantized.weights["layers"][0]["experts_gate_up"].source == "Q4_K"
+    prompt = long_prompt("qwen3_moe", hf["vocab_size"])
+    assert relative_error(quantized.logits(prompt), float32.logits(prompt)) < RTOL
+    want_tokens, want_logits, _ = resident_run(quantized, prompt)
+    lazy = load_model(path, lazy_experts=True)
+    pool = make_pool(lazy, 2, ram=2)
+    tokens, logits, _ = tiered_run(TieredModel(lazy, pool), prompt)
+    assert tokens == want_tokens and relative_error(logits, want_logits) < RTOL
+    assert [p[1].source for p in pool.pools] == ["Q6_K", "Q5_K"]
+    assert (pool.pools[0][1].block, pool.pools[1][1].block) == (16, 32)  # Q6_K's scales per 16
