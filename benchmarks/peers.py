@@ -211,9 +211,8 @@ def motet_child_runs(job: dict) -> dict:
     model = load_model(job["model"])
     runs = [Workload(**w) for w in job["runs"]]
     out = trio.run(motet_runs, model, runs)
-    step_ms = bare_step_ms(model)
-    return {"runs": out, "bare_step_ms": step_ms,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the bare step's own KV
+    return {"runs": out, "bare_step_ms": bare_step_ms(model), "peak_rss_mb": peak_mb}
 
 
 # ---- llama.cpp (in a child process) ---------------------------------------------------
@@ -357,7 +356,7 @@ def summarize(runs: list[dict]) -> dict:
 
 def compare(name: str, path: Path, args) -> tuple[dict, str] | None:
     """Both engines on one file: the JSON result and its table."""
-    from motet.model import load_chat
+    from motet.model.loader import load_chat
 
     chat = load_chat(path)
     runs = [workload(chat, run) for run in range(args.repeats + 1)]  # run 0: untimed

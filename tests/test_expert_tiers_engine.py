@@ -194,3 +194,30 @@ def test_mux_expert_settings_come_from_the_cap_the_environment_and_flags():
         settings([], {"RAM_GB": "lots"})
     with pytest.raises(ValueError, match="expert mode"):
         settings([], {"EXPERTS": "everywhere"})
+
+
+async def test_quantized_experts_fill_a_device_budget_by_the_bytes_they_hold():
+    """--quantize int4 through the Engine: the plan counts an expert's quantized bytes, so
+    a budget of four float32 experts per layer holds every int4 one; a tiered quantized
+    engine answers as the resident one and TIERS reports the bytes its tiers hold."""
+    from motet.model.tiered import shared_weight_bytes
+
+    path = GOLDEN / "qwen3_moe"
+    with trio.fail_after(TIMEOUT):
+        async with Engine(path, dtype="int4", **TINY) as engine:
+            want = await answers(engine)
+            cfg, plan = engine.model.config, engine.expert_plan
+            shared = shared_weight_bytes(engine.model.weights)
+        float_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
+        assert plan.mode == "resident" and plan.expert_bytes * 5 < float_expert
+        budget = ExpertSettings(device_gb=(shared + plan.layers * 4 * float_expert) / 1e9)
+        async with Engine(path, dtype="int4", **TINY, experts=budget) as engine:
+            assert engine.expert_plan.pool_slots == cfg.n_experts  # 4 float32 experts' room
+        settings = ExpertSettings(device_experts_per_layer=3, ram_gb=2.5 * plan.expert_bytes / 1e9)
+        async with Engine(path, dtype="int4", **TINY, experts=settings) as engine:
+            got = await answers(engine)
+            tiers = engine.expert_tiers()
+    assert {p: ids for p, (ids, _) in got.items()} == {p: ids for p, (ids, _) in want.items()}
+    assert tiers.mode == "tiered" and tiers.ram == 2
+    assert tiers.device_gb * 1e9 == pytest.approx(shared + plan.layers * 3 * plan.expert_bytes)
+    assert tiers.ram_gb * 1e9 == pytest.approx(2 * plan.expert_bytes)

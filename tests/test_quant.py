@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 
 from motet.model import native
 from motet.model.gguf_quants import REPACK
-from motet.model.quant import QTensor, dequantize, matmul, qmatmul, stack_rows
+from motet.model.quant import QTensor, dequantize, matmul, matmul_stacked, qmatmul, stack, stack_rows
 
 # where each format keeps its f16 scales (random bytes there could be inf or NaN)
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
@@ -110,12 +110,35 @@ def test_the_kernel_equals_the_xla_path(isa):
         native.select_instruction_set(best)
 
 
+@pytest.mark.skipif(not native.available(), reason="the native kernel was not built")
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_K"])
+def test_one_matrix_of_a_stack_is_read_in_place_and_equals_it_alone(kind):
+    """An expert of a stack [E, N, K], picked by a traced index: the kernel (reading the
+    stack in place), the XLA path (slicing it) and the matrix alone agree; an index
+    outside the stack is clamped, as a dynamic slice clamps it."""
+    experts = [REPACK[kind](random_blocks(kind, 24, 256, seed=e)) for e in range(4)]
+    stacked = jax.device_put(stack(experts))
+    pick = jax.jit(lambda x, w, e, native_: matmul_stacked(x, w, e) if native_ else
+                   qmatmul(x, w, use_native=False, index=e), static_argnums=3)
+    rng = np.random.default_rng(5)
+    for m in (1, 5, 40):
+        x = rng.standard_normal((m, 256)).astype(np.float32)
+        for e in (0, 2, 3, 9):
+            alone = np.asarray(qmatmul(x, jax.device_put(experts[min(e, 3)])))
+            np.testing.assert_array_equal(np.asarray(pick(x, stacked, e, True)), alone)
+            xla = np.asarray(pick(x, stacked, e, False))
+            assert np.abs(xla - alone).max() / np.abs(alone).max() < (1e-4 if m == 1 else 1e-5)
+    plain = jnp.asarray(np.stack([dequantize_host(w).T for w in experts]))  # [E, K, N]
+    x = jnp.asarray(rng.standard_normal((3, 256)).astype(np.float32))
+    np.testing.assert_allclose(np.asarray(matmul_stacked(x, plain, 1)), np.asarray(x @ plain[1]), rtol=1e-6)
+
+
 def test_matmul_takes_plain_arrays_and_quantized_ones_alike():
     w = jax.device_put(REPACK["Q4_0"](random_blocks("Q4_0", 8, 64)))
     x = jnp.ones((3, 64), jnp.float32)
     dense = jnp.asarray(dequantize_host(w).T)
     np.testing.assert_allclose(np.asarray(matmul(x, w)), np.asarray(matmul(x, dense)), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="one \\[N, K\\] matrix"):
+    with pytest.raises(ValueError, match="one \\[N, K\\] matrix, or a stack"):
         qmatmul(x, QTensor(np.zeros((2, 8, 32), np.uint8), np.zeros((2, 8, 2), np.float32), None, "q4", 32))
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from .config import ModelConfig
-from .quant import as_float_stack, index, matmul
+from .quant import as_float_stack, matmul, matmul_stacked
 from .sharding import EP, TP
 
 MOE_IMPLS = ("auto", "grouped", "ragged")
@@ -53,7 +53,7 @@ def experts_grouped(x, weights, ids, gate_up, down, block: int, elsewhere: bool 
 
     A loop whose body slices the weights is the fast form on XLA:CPU: a gather of all the
     chosen matrices at once is copied first, several times slower. Quantized experts
-    (QTensor stacks) are sliced the same way and multiplied by the kernel as they are.
+    (QTensor stacks) are read in place by the kernel, which takes the stack and the index.
     """
     t, k = ids.shape
     n_experts, d = gate_up.shape[0], x.shape[-1]
@@ -74,7 +74,7 @@ def experts_grouped(x, weights, ids, gate_up, down, block: int, elsewhere: bool 
     def one(n, out):
         e = block_expert[n]
         xs = jax.lax.dynamic_slice(rows, (n * block, 0), (block, d))
-        ys = matmul(swiglu(matmul(xs, index(gate_up, e))), index(down, e))
+        ys = matmul_stacked(swiglu(matmul_stacked(xs, gate_up, e)), down, e)
         return jax.lax.dynamic_update_slice(out, ys, (n * block, 0))
 
     ys = jax.lax.fori_loop(0, used_blocks, one, jnp.zeros_like(rows))[dest]

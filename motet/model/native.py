@@ -18,6 +18,7 @@ import jax
 log = logging.getLogger(__name__)
 
 QMATMUL = "motet_qmatmul"
+QMATMUL_STACKED = "motet_qmatmul_stacked"  # one matrix of a stack, by a traced index
 LIBRARY = "_qmatmul"
 
 
@@ -44,6 +45,7 @@ def _library() -> ctypes.CDLL | None:
     lib.motet_qmatmul_isa.restype = ctypes.c_char_p
     lib.motet_qmatmul_select.argtypes = [ctypes.c_char_p]
     jax.ffi.register_ffi_target(QMATMUL, jax.ffi.pycapsule(lib.MotetQMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(QMATMUL_STACKED, jax.ffi.pycapsule(lib.MotetQMatmulStacked), platform="cpu")
     return lib
 
 

@@ -74,23 +74,36 @@ def _xla_matmul(x: jax.Array, w: QTensor) -> jax.Array:
     return jnp.einsum("...k,nk->...n", x, dequantize(w, x.dtype), preferred_element_type=F32)
 
 
-def _native_matmul(x: jax.Array, w: QTensor) -> jax.Array:
-    n = w.values.shape[0]
+def _native_matmul(x: jax.Array, w: QTensor, index=None) -> jax.Array:
+    n = w.values.shape[-2]
     mins = w.min if w.min is not None else jnp.zeros((0,), F32)
-    call = jax.ffi.ffi_call(native.QMATMUL, jax.ShapeDtypeStruct((*x.shape[:-1], n), F32))
-    return call(x.astype(F32), w.values, w.scale, mins, kind=np.int64(LAYOUTS.index(w.layout)),
-                block=np.int64(w.block), has_min=np.int64(w.min is not None))
+    target = native.QMATMUL if index is None else native.QMATMUL_STACKED
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((*x.shape[:-1], n), F32))
+    operands = (x.astype(F32), w.values, w.scale, mins) + (() if index is None else (index,))
+    return call(*operands, kind=np.int64(LAYOUTS.index(w.layout)), block=np.int64(w.block),
+                has_min=np.int64(w.min is not None))
 
 
-def qmatmul(x: jax.Array, w: QTensor, use_native: bool | None = None) -> jax.Array:
-    """x [..., K] @ w.T → [..., N] in float32. use_native: None picks the kernel on the
+def qmatmul(x: jax.Array, w: QTensor, use_native: bool | None = None, index=None) -> jax.Array:
+    """x [..., K] @ w.T → [..., N] in float32. w: one [N, K] matrix, or with `index` (an
+    int32 scalar, traced) matrix `index` of a stack [E, N, K], which the kernel reads in
+    place (a slice of it would be copied first). use_native: None picks the kernel on the
     CPU where it was built; False forces the dequantize-and-dot path (tests)."""
-    if w.values.ndim != 2:
-        raise ValueError(f"qmatmul takes one [N, K] matrix, got a stack {w.shape}")
+    if w.values.ndim != (2 if index is None else 3):
+        raise ValueError(f"qmatmul takes one [N, K] matrix, or a stack [E, N, K] and an index; got {w.shape}")
     if use_native is None:
         use_native = native.available()
     elif use_native and not native.available():
         raise RuntimeError("the native quantized kernel is not built here")
+    if index is not None:
+        index = jnp.asarray(index, jnp.int32).reshape(())
+
+        def xla(x, w, index):
+            return _xla_matmul(x, jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, 0, False), w))
+
+        if not use_native:
+            return xla(x, w, index)
+        return jax.lax.platform_dependent(x, w, index, cpu=_native_matmul, default=xla)
     if not use_native:
         return _xla_matmul(x, w)
     return jax.lax.platform_dependent(x, w, cpu=_native_matmul, default=_xla_matmul)
@@ -102,6 +115,14 @@ def matmul(x: jax.Array, w) -> jax.Array:
     if isinstance(w, QTensor):
         return qmatmul(x, w).astype(x.dtype)
     return jnp.dot(x, w)
+
+
+def matmul_stacked(x: jax.Array, w, index) -> jax.Array:
+    """x times matrix `index` (traced) of a stack: [E, K, N] plain (sliced), or a QTensor
+    [E, N, K] (read in place by the kernel). The result has x's dtype."""
+    if isinstance(w, QTensor):
+        return qmatmul(x, w, index=index).astype(x.dtype)
+    return jnp.dot(x, jax.lax.dynamic_index_in_dim(w, index, 0, keepdims=False))
 
 
 def take_rows(w, rows) -> jax.Array:
@@ -155,11 +176,6 @@ def stack(items: list) -> np.ndarray | QTensor:
     """Host matrices (plain or QTensors of one layout) stacked on a new first axis: a
     layer's experts, or the experts of one move to the pool."""
     return jax.tree.map(lambda *leaves: np.stack(leaves), *items)
-
-
-def index(w, i):
-    """Matrix i of a stack (plain or QTensor), i traced: the expert a block of rows uses."""
-    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), w)
 
 
 def host_index(w, i: int):

@@ -69,26 +69,47 @@ void for_each_on_pool(void* pool, int64_t units, motet_qmatmul::Task task, void*
     if (spins > 1000) std::this_thread::yield();
 }
 
-ffi::Error QMatmul(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::Buffer<ffi::F32> scale,
-                   ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> out, int64_t kind,
-                   int64_t block, int64_t has_min) {
+// x [..., k] times the matrix of a stack [stack, n, row bytes] at `index` (0 for one
+// matrix): the kernels read it in place, so an expert of a stack is never copied out.
+ffi::Error Product(ffi::ThreadPool& threads, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& values,
+                   ffi::Buffer<ffi::F32>& scale, ffi::Buffer<ffi::F32>& mins, ffi::ResultBuffer<ffi::F32>& out,
+                   int64_t kind, int64_t block, int64_t has_min, int64_t index) {
   const auto xd = x.dimensions();
   const auto vd = values.dimensions();
-  if (xd.size() < 1 || vd.size() != 2) return ffi::Error::InvalidArgument("qmatmul: bad ranks");
-  const int64_t k = xd.back(), n = vd[0];
+  if (xd.size() < 1 || vd.size() < 2 || vd.size() > 3) return ffi::Error::InvalidArgument("qmatmul: bad ranks");
+  const int64_t stack = vd.size() == 3 ? vd[0] : 1;
+  const int64_t k = xd.back(), n = vd[vd.size() - 2];
   const int64_t m = k ? static_cast<int64_t>(x.element_count()) / k : 0;
   const int64_t row_bytes = kind == motet_qmatmul::Q4 ? k / 2 : k;
-  if (vd[1] != row_bytes || k % block != 0 || (kind == motet_qmatmul::Q4 && block != 32) ||
-      static_cast<int64_t>(scale.element_count()) != n * (k / block) ||
+  const int64_t blocks = k / block;
+  if (vd.back() != row_bytes || k % block != 0 || (kind == motet_qmatmul::Q4 && block != 32) ||
+      static_cast<int64_t>(scale.element_count()) != stack * n * blocks ||
       (has_min && mins.element_count() != scale.element_count()) ||
       static_cast<int64_t>(out->element_count()) != m * n)
     return ffi::Error::InvalidArgument("qmatmul: shapes do not agree");
+  index = std::clamp<int64_t>(index, 0, stack - 1);  // as XLA clamps a dynamic slice
   const QWeights w{static_cast<int>(kind), static_cast<int>(block), n, k,
-                   static_cast<const uint8_t*>(values.untyped_data()), scale.typed_data(),
-                   has_min ? mins.typed_data() : nullptr};
+                   static_cast<const uint8_t*>(values.untyped_data()) + index * n * row_bytes,
+                   scale.typed_data() + index * n * blocks,
+                   has_min ? mins.typed_data() + index * n * blocks : nullptr};
   const motet_qmatmul::Parallel parallel{&threads, for_each_on_pool};
   chosen().impl(w, x.typed_data(), m, out->typed_data(), parallel);
   return ffi::Error::Success();
+}
+
+ffi::Error QMatmul(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::Buffer<ffi::F32> scale,
+                   ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> out, int64_t kind,
+                   int64_t block, int64_t has_min) {
+  if (values.dimensions().size() != 2) return ffi::Error::InvalidArgument("qmatmul: bad ranks");
+  return Product(threads, x, values, scale, mins, out, kind, block, has_min, 0);
+}
+
+ffi::Error QMatmulStacked(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
+                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> mins, ffi::Buffer<ffi::S32> index,
+                          ffi::ResultBuffer<ffi::F32> out, int64_t kind, int64_t block, int64_t has_min) {
+  if (values.dimensions().size() != 3 || index.element_count() != 1)
+    return ffi::Error::InvalidArgument("qmatmul_stacked: bad ranks");
+  return Product(threads, x, values, scale, mins, out, kind, block, has_min, index.typed_data()[0]);
 }
 
 }  // namespace
@@ -100,6 +121,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetQMatmul, QMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("kind")
+                                  .Attr<int64_t>("block")
+                                  .Attr<int64_t>("has_min"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetQMatmulStacked, QMatmulStacked,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("kind")
                                   .Attr<int64_t>("block")
