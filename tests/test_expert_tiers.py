@@ -279,27 +279,43 @@ def test_fill_starts_warm_from_heat(lazy_model):
 
 def test_a_gguf_expert_is_read_alone_and_equals_its_slice_of_the_whole(tmp_path):
     """GGUF stacks a layer's experts in one tensor (quantized or not): expert e read on
-    its own dequantizes to the same values as row e of the whole tensor."""
+    its own dequantizes to the same values as row e of the whole tensor, and read still
+    quantized (the disk tier of a quantized model) it holds the same blocks as expert e
+    of the whole tensor repacked."""
     import gguf
+    import jax
 
     from motet.model.gguf_file import GGUFSource, open_gguf
+    from motet.model.quant import QTensor, dequantize, host_index
 
     w = np.random.default_rng(0).standard_normal((4, 8, 64)).astype(np.float32)  # [E, f, d]
     path = tmp_path / "experts.gguf"
     writer = gguf.GGUFWriter(path, "qwen3moe")
     writer.add_tensor("blk.0.ffn_gate_exps.weight", w)
-    q8 = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
-    writer.add_tensor("blk.0.ffn_up_exps.weight", q8, raw_shape=q8.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    for name, kind in (("ffn_up_exps", gguf.GGMLQuantizationType.Q8_0),
+                       ("ffn_down_exps", gguf.GGMLQuantizationType.Q4_1)):
+        raw = gguf.quants.quantize(w, kind)
+        writer.add_tensor(f"blk.0.{name}.weight", raw, raw_shape=raw.shape, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     source = GGUFSource(path, open_gguf(path), None)
-    for name in ("0.experts.gate", "0.experts.up"):
+    for name in ("0.experts.gate", "0.experts.up", "0.experts.down"):
         whole = source.get(name)
         for e in range(4):
             np.testing.assert_array_equal(source.get_expert(name, e), whole[e])
     np.testing.assert_array_equal(source.get("0.experts.gate"), w)
+    assert source.get_packed("0.experts.gate") is None and source.get_packed_expert("0.experts.gate", 1) is None
+    for name in ("0.experts.up", "0.experts.down"):
+        packed = source.get_packed(name)
+        assert packed.shape == (4, 8, 64)
+        for e in range(4):
+            one = source.get_packed_expert(name, e)
+            assert isinstance(one, QTensor) and one.shape == (8, 64)
+            for got, want in zip(jax.tree.leaves(one), jax.tree.leaves(host_index(packed, e))):
+                np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(np.asarray(dequantize(one)), source.get_expert(name, e))
 
 
 def test_bfloat16_pools_stay_close_to_resident_bfloat16(lazy_model):

@@ -12,18 +12,16 @@ import sys
 from dataclasses import replace
 from functools import partial
 
-import gguf
 import jax
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as Q
 
 from conftest import GOLDEN
-from gguf import GGMLQuantizationType as Q
 from gguf_fixtures import _tokenizer, mix, simple, write_gguf, write_tensors
 from kquants import quantize_k
 from motet.model import load_model
-from motet.model.gguf_file import GGUFSource, open_gguf
-from motet.model.quant import QTensor, dequantize, host_index, quantize
+from motet.model.quant import QTensor, dequantize, quantize
 from motet.model.tiered_model import TieredModel
 from test_expert_tiers import MOE_ARCHS, long_prompt, make_pool, resident_run, tiered_run
 
@@ -100,32 +98,6 @@ def test_quantized_tiered_experts_give_the_resident_greedy_tokens(arch):
     assert pool.ram_bytes() == 3 * pool.expert_bytes[0]
     float_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
     assert pool.expert_bytes.max() * 5 < float_expert  # 4 bits and a scale and min per 32
-
-
-def test_an_expert_read_from_a_quantized_gguf_is_a_raw_slice_of_the_file(tmp_path):
-    """The disk tier's read: expert e alone, still quantized, the same as expert e of
-    the whole tensor repacked, and the values gguf itself dequantizes."""
-    w = np.random.default_rng(1).standard_normal((4, 8, 64)).astype(np.float32)  # [E, f, d]
-    path = tmp_path / "experts.gguf"
-    writer = gguf.GGUFWriter(path, "qwen3moe")
-    for name, kind in (("ffn_gate_exps", gguf.GGMLQuantizationType.Q8_0),
-                       ("ffn_up_exps", gguf.GGMLQuantizationType.Q4_1)):
-        raw = gguf.quants.quantize(w, kind)
-        writer.add_tensor(f"blk.0.{name}.weight", raw, raw_shape=raw.shape, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    source = GGUFSource(path, open_gguf(path), None)
-    for name in ("0.experts.gate", "0.experts.up"):
-        whole = source.get_packed(name)
-        assert whole.shape == (4, 8, 64)
-        for e in range(4):
-            one = source.get_packed_expert(name, e)
-            assert isinstance(one, QTensor) and one.shape == (8, 64)
-            for got, want in zip(jax.tree.leaves(one), jax.tree.leaves(host_index(whole, e))):
-                np.testing.assert_array_equal(got, want)
-            np.testing.assert_array_equal(np.asarray(dequantize(one)), source.get_expert(name, e))
 
 
 def test_motet_info_quantizes_a_float_checkpoint_on_request():
