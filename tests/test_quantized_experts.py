@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as Q
 from conftest import GOLDEN
 from gguf_fixtures import _tokenizer, mix, simple, write_gguf, write_tensors
 from kquants import quantize_k
-from motet.model import load_model
+from motet.model import UnsupportedModelError, load_model
 from motet.model.quant import QTensor, dequantize, quantize
 from motet.model.tiered_model import TieredModel
 from test_expert_tiers import MOE_ARCHS, long_prompt, make_pool, resident_run, tiered_run
@@ -98,6 +98,13 @@ def test_quantized_tiered_experts_give_the_resident_greedy_tokens(arch):
     assert pool.ram_bytes() == 3 * pool.expert_bytes[0]
     float_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
     assert pool.expert_bytes.max() * 5 < float_expert  # 4 bits and a scale and min per 32
+
+
+def test_quantize_refuses_what_it_cannot_do_with_a_clear_error():
+    with pytest.raises(UnsupportedModelError, match="does not run on a mesh yet"):
+        load_model(GOLDEN / "qwen3_moe", dtype="int4", mesh="ep=1")
+    with pytest.raises(UnsupportedModelError, match="unsupported dtype 'int3'"):
+        load_model(GOLDEN / "qwen3_moe", dtype="int3")
 
 
 def test_motet_info_quantizes_a_float_checkpoint_on_request():

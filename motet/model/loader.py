@@ -83,12 +83,12 @@ def load_model(path: str | Path | None = None, dtype: str = AUTO, max_context: i
             raise ValueError(f"tiered (lazily loaded) experts run on an ep mesh, not yet with tp > 1 "
                              f"(mesh {mesh}): load the experts resident or use ep alone")
         mesh = model_mesh(mesh, cfg)
-    quantized = dtype in (AUTO, *QUANTIZE_CHOICES)
     if dtype in QUANTIZE_CHOICES:
         if mesh is not None:
             raise UnsupportedModelError(f"--quantize {dtype} does not run on a mesh yet: drop --mesh or --quantize")
         source = QuantizingSource(source, dtype)
-    quantized = quantized and mesh is None  # a mesh shards float arrays only, for now
+    # a mesh shards float arrays only, for now
+    quantized = dtype in (AUTO, *QUANTIZE_CHOICES) and mesh is None
     weights = pack_weights(cfg, source, DTYPES.get(dtype, jnp.float32), experts=not lazy, mesh=mesh,
                            quantized=quantized)
     dtype = "float32" if dtype not in DTYPES else dtype
