@@ -196,7 +196,7 @@ def test_mux_expert_settings_come_from_the_cap_the_environment_and_flags():
         settings([], {"EXPERTS": "everywhere"})
 
 
-async def test_quantized_experts_fill_a_device_budget_by_the_bytes_they_hold():
+async def test_quantized_experts_fill_a_device_budget_by_the_bytes_they_hold(tmp_path):
     """--quantize int4 through the Engine: the plan counts an expert's quantized bytes, so
     a budget of four float32 experts per layer holds every int4 one; a tiered quantized
     engine answers as the resident one and TIERS reports the bytes its tiers hold."""
@@ -210,10 +210,11 @@ async def test_quantized_experts_fill_a_device_budget_by_the_bytes_they_hold():
             shared = shared_weight_bytes(engine.model.weights)
         float_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
         assert plan.mode == "resident" and plan.expert_bytes * 5 < float_expert
-        budget = ExpertSettings(device_gb=(shared + plan.layers * 4 * float_expert) / 1e9)
+        heat = tmp_path / "heat.json"  # not beside the golden checkpoint
+        budget = ExpertSettings(device_gb=(shared + plan.layers * 4 * float_expert) / 1e9, heat_file=heat)
         async with Engine(path, dtype="int4", **TINY, experts=budget) as engine:
             assert engine.expert_plan.pool_slots == cfg.n_experts  # 4 float32 experts' room
-        settings = ExpertSettings(device_experts_per_layer=3, ram_gb=2.5 * plan.expert_bytes / 1e9)
+        settings = ExpertSettings(device_experts_per_layer=3, ram_gb=2.5 * plan.expert_bytes / 1e9, heat_file=heat)
         async with Engine(path, dtype="int4", **TINY, experts=settings) as engine:
             got = await answers(engine)
             tiers = engine.expert_tiers()
