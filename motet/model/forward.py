@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from . import native
 from .config import ModelConfig
 from .moe import dense_ffn, moe_ffn
 from .quant import QTensor, matmul, take_rows
@@ -125,13 +126,35 @@ def attend_chunk(cfg, q, k, v, k_cache, v_cache, slot, offset):
     return out.transpose(2, 0, 1, 3).reshape(t, -1)
 
 
-def attend_rows(cfg, q, k, v, k_cache, v_cache, slots, positions):
+def attend_rows(cfg, q, k, v, k_cache, v_cache, slots, positions, use_native: bool | None = None):
     """One new token per row b, at positions[b] of slot slots[b], over that slot's cached
     positions < positions[b] (K [slots, k, d, l], V [slots, k, l, d]).
 
-    A loop over rows, each slicing its own slot block by block: a gather of all rows'
-    histories at once ran 4x slower on XLA:CPU, which copies gathered operands first.
+    On the CPU a float32 cache goes to the native kernel (kernels/attend_body.inc) where it
+    was built: XLA's loops below cost a third of a decode step there. use_native: None
+    picks it where it applies; False forces the XLA loops (tests).
     """
+    if use_native is None:
+        use_native = native.available() and k_cache.dtype == F32 and q.dtype == F32
+    args = (q, k, v, k_cache, v_cache, slots, positions)
+    if not use_native:
+        return _attend_rows_xla(cfg, *args)
+    return jax.lax.platform_dependent(*args, cpu=partial(_attend_rows_native, cfg),
+                                      default=partial(_attend_rows_xla, cfg))
+
+
+def _attend_rows_native(cfg, q, k, v, k_cache, v_cache, slots, positions):
+    b, nk, g, hd = q.shape[0], cfg.n_kv_heads, cfg.group_size, cfg.head_dim
+    call = jax.ffi.ffi_call(native.ATTEND_ROWS, jax.ShapeDtypeStruct((b, nk, g, hd), F32))
+    out = call(q.reshape(b, nk, g, hd), k, v, k_cache, v_cache, slots.astype(jnp.int32),
+               positions.astype(jnp.int32), scale=np.float32(hd**-0.5))
+    return out.reshape(b, -1)
+
+
+def _attend_rows_xla(cfg, q, k, v, k_cache, v_cache, slots, positions):
+    """attend_rows as XLA loops over rows, each slicing its own slot block by block: a
+    gather of all rows' histories at once ran 4x slower on XLA:CPU, which copies gathered
+    operands first."""
     b = q.shape[0]
     nk, g, hd = cfg.n_kv_heads, cfg.group_size, cfg.head_dim
     q = q.reshape(b, nk, g, hd) * hd**-0.5

@@ -1,5 +1,5 @@
-"""The native CPU kernels (kernels/*.cc): found beside this module, where the install
-built them, and registered with XLA once.
+"""The native CPU kernels (kernels/*.cc: quantized products, decode attention): found
+beside this module, where the install built them, and registered with XLA once.
 
 The install builds them with the machine's C++ compiler (setup.py); where it could
 not, `available()` is False and quantized products take the XLA path (quant.py).
@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 QMATMUL = "motet_qmatmul"
 QMATMUL_STACKED = "motet_qmatmul_stacked"  # one matrix of a stack, by a traced index
+ATTEND_ROWS = "motet_attend_rows"  # decode attention over the KV cache
 LIBRARY = "_qmatmul"
 
 
@@ -46,6 +47,7 @@ def _library() -> ctypes.CDLL | None:
     lib.motet_qmatmul_select.argtypes = [ctypes.c_char_p]
     jax.ffi.register_ffi_target(QMATMUL, jax.ffi.pycapsule(lib.MotetQMatmul), platform="cpu")
     jax.ffi.register_ffi_target(QMATMUL_STACKED, jax.ffi.pycapsule(lib.MotetQMatmulStacked), platform="cpu")
+    jax.ffi.register_ffi_target(ATTEND_ROWS, jax.ffi.pycapsule(lib.MotetAttendRows), platform="cpu")
     return lib
 
 

@@ -25,12 +25,34 @@ struct Parallel {
   void (*for_each)(void* pool, int64_t units, Task task, void* arg);
 };
 
-using Impl = void (*)(const QWeights&, const float* x, int64_t m, float* out, const Parallel&);
+// Decode attention (attend_body.inc): each row's new query heads over its slot's
+// cached positions < position[row] and over the row's own new key and value. The
+// layouts are forward.py's: queries grouped by KV head, K cached transposed.
+struct Attention {
+  int64_t rows, kv_heads, group, head_dim;
+  int64_t slots, capacity;  // the cache's slots and positions
+  float scale;              // applied to the queries
+  const float* q;           // [rows, kv_heads, group, head_dim]
+  const float* k_new;       // [rows, kv_heads, head_dim]
+  const float* v_new;       // [rows, kv_heads, head_dim]
+  const float* k_cache;     // [slots, kv_heads, head_dim, capacity]
+  const float* v_cache;     // [slots, kv_heads, capacity, head_dim]
+  const int32_t* slot;      // [rows]
+  const int32_t* position;  // [rows]
+  float* out;               // [rows, kv_heads, group, head_dim]
+};
 
-namespace base { void qmatmul(const QWeights&, const float*, int64_t, float*, const Parallel&); }
+using Impl = void (*)(const QWeights&, const float* x, int64_t m, float* out, const Parallel&);
+using AttendImpl = void (*)(const Attention&, const Parallel&);
+
+#define MOTET_KERNELS                                                           \
+  void qmatmul(const QWeights&, const float*, int64_t, float*, const Parallel&); \
+  void attend_rows(const Attention&, const Parallel&);
+namespace base { MOTET_KERNELS }
 #if defined(__x86_64__)
-namespace avx2 { void qmatmul(const QWeights&, const float*, int64_t, float*, const Parallel&); }
-namespace avx512 { void qmatmul(const QWeights&, const float*, int64_t, float*, const Parallel&); }
+namespace avx2 { MOTET_KERNELS }
+namespace avx512 { MOTET_KERNELS }
 #endif
+#undef MOTET_KERNELS
 
 }  // namespace motet_qmatmul

@@ -34,4 +34,5 @@ inline vf q8_dot16(const uint8_t* p, const int16_t* x) {
 }  // namespace motet_qmatmul::avx512
 #define MOTET_VF motet_qmatmul::avx512::vf
 #include "qmatmul_body.inc"
+#include "attend_body.inc"
 #endif

@@ -34,3 +34,4 @@ inline vf q8_dot16(const uint8_t* p, const int16_t* x) {
 }  // namespace motet_qmatmul::base
 #define MOTET_VF motet_qmatmul::base::vf
 #include "qmatmul_body.inc"
+#include "attend_body.inc"

@@ -1,4 +1,4 @@
-// The XLA FFI handler (registered from motet/model/native.py) and the run-time choice
+// The XLA FFI handlers (registered from motet/model/native.py) and the run-time choice
 // of instruction set.
 #include <algorithm>
 #include <atomic>
@@ -18,18 +18,20 @@ namespace {
 struct Choice {
   const char* name;
   Impl impl;
+  motet_qmatmul::AttendImpl attend;
 };
+
+#define MOTET_CHOICE(isa) Choice{#isa, motet_qmatmul::isa::qmatmul, motet_qmatmul::isa::attend_rows}
 
 Choice best_for_this_cpu() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    return {"avx512", motet_qmatmul::avx512::qmatmul};
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    return {"avx2", motet_qmatmul::avx2::qmatmul};
+    return MOTET_CHOICE(avx512);
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return MOTET_CHOICE(avx2);
 #endif
-  return {"base", motet_qmatmul::base::qmatmul};
+  return MOTET_CHOICE(base);
 }
 
 Choice& chosen() {
@@ -112,6 +114,30 @@ ffi::Error QMatmulStacked(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi:
   return Product(threads, x, values, scale, mins, out, kind, block, has_min, index.typed_data()[0]);
 }
 
+// Decode attention (qmatmul.h's Attention): q [rows, kv_heads, group, head_dim], the
+// rows' new K and V [rows, kv_heads, head_dim], the caches, slots and positions [rows].
+ffi::Error AttendRows(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+                      ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+                      ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> positions,
+                      ffi::ResultBuffer<ffi::F32> out, float scale) {
+  const auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) return ffi::Error::InvalidArgument("attend_rows: bad ranks");
+  const int64_t rows = qd[0], heads = qd[1], group = qd[2], hd = qd[3];
+  const int64_t cached = kd[0], capacity = kd[3];
+  if (kd[1] != heads || kd[2] != hd || vd[0] != cached || vd[1] != heads || vd[2] != capacity ||
+      vd[3] != hd || static_cast<int64_t>(k_new.element_count()) != rows * heads * hd ||
+      v_new.element_count() != k_new.element_count() || static_cast<int64_t>(slots.element_count()) != rows ||
+      positions.element_count() != slots.element_count() || out->element_count() != q.element_count() ||
+      cached < 1)
+    return ffi::Error::InvalidArgument("attend_rows: shapes do not agree");
+  const motet_qmatmul::Attention a{rows, heads, group, hd, cached, capacity, scale,
+                                   q.typed_data(), k_new.typed_data(), v_new.typed_data(),
+                                   k_cache.typed_data(), v_cache.typed_data(), slots.typed_data(),
+                                   positions.typed_data(), out->typed_data()};
+  chosen().attend(a, motet_qmatmul::Parallel{&threads, for_each_on_pool});
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetQMatmul, QMatmul,
@@ -139,6 +165,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetQMatmulStacked, QMatmulStacked,
                                   .Attr<int64_t>("block")
                                   .Attr<int64_t>("has_min"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetAttendRows, AttendRows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
+
 extern "C" {
 // The instruction set the kernels use ("avx512", "avx2" or "base").
 const char* motet_qmatmul_isa() { return chosen().name; }
@@ -153,11 +192,11 @@ int motet_qmatmul_select(const char* name) {
     if (std::strcmp(isa, best.name) == 0) reachable = true;
     if (reachable && std::strcmp(isa, name) == 0) {
 #if defined(__x86_64__)
-      if (std::strcmp(name, "avx512") == 0) chosen() = {"avx512", motet_qmatmul::avx512::qmatmul};
-      else if (std::strcmp(name, "avx2") == 0) chosen() = {"avx2", motet_qmatmul::avx2::qmatmul};
+      if (std::strcmp(name, "avx512") == 0) chosen() = MOTET_CHOICE(avx512);
+      else if (std::strcmp(name, "avx2") == 0) chosen() = MOTET_CHOICE(avx2);
       else
 #endif
-        chosen() = {"base", motet_qmatmul::base::qmatmul};
+        chosen() = MOTET_CHOICE(base);
       return 1;
     }
   }
