@@ -23,7 +23,8 @@ setup(
             include_dirs=ffi_include(),
             language="c++",
             extra_compile_args=["-O3", "-std=c++17", "-w"],
-            depends=[KERNELS + name for name in ("qmatmul.h", "qmatmul_headers.h", "qmatmul_body.inc", "attend_body.inc")],
+            depends=[KERNELS + name for name in ("qmatmul.h", "qmatmul_headers.h", "qmatmul_body.inc",
+                                                 "attend_body.inc", "matvec_avx512.inc")],
             optional=True,
         )
     ]

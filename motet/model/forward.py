@@ -136,6 +136,8 @@ def attend_rows(cfg, q, k, v, k_cache, v_cache, slots, positions, use_native: bo
     """
     if use_native is None:
         use_native = native.available() and k_cache.dtype == F32 and q.dtype == F32
+    elif use_native and not native.available():
+        raise RuntimeError("the native attention kernel is not built here")
     args = (q, k, v, k_cache, v_cache, slots, positions)
     if not use_native:
         return _attend_rows_xla(cfg, *args)

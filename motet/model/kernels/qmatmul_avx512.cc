@@ -33,6 +33,7 @@ inline vf q8_dot16(const uint8_t* p, const int16_t* x) {
 }  // namespace
 }  // namespace motet_qmatmul::avx512
 #define MOTET_VF motet_qmatmul::avx512::vf
+#define MOTET_MATVEC_DOTS "matvec_avx512.inc"
 #include "qmatmul_body.inc"
 #include "attend_body.inc"
 #endif
