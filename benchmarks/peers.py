@@ -80,7 +80,7 @@ def install_hint() -> str:
     args = ["-DGGML_NATIVE=OFF"] + [f"-DGGML_{k}={'ON' if v in have else 'OFF'}" for k, v in CPU_FLAGS.items()]
     args += ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
     return (f'CMAKE_ARGS="{" ".join(args)}" .venv/bin/pip install --no-cache-dir '
-            "--force-reinstall --no-deps llama-cpp-python==0.3.36")
+            "--force-reinstall --no-deps llama-cpp-python==0.3.36 && .venv/bin/pip install diskcache")
 
 
 # ---- the workload -------------------------------------------------------------------

@@ -10,12 +10,16 @@ routed to its own experts and skips the rest; a psum over (ep, tp) adds the shar
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
+from . import native
 from .config import ModelConfig
-from .quant import as_float_stack, matmul, matmul_stacked
+from .quant import LAYOUTS, QTensor, as_float_stack, matmul, matmul_stacked
 from .sharding import EP, TP
 
 MOE_IMPLS = ("auto", "grouped", "ragged")
@@ -42,7 +46,35 @@ def _by_expert(ids: jax.Array, n_experts: int):
     return jnp.argsort(flat, stable=True), jnp.bincount(flat, length=n_experts)
 
 
-def experts_grouped(x, weights, ids, gate_up, down, block: int, elsewhere: bool = False):
+def experts_grouped(x, weights, ids, gate_up, down, block: int, elsewhere: bool = False,
+                    use_native: bool | None = None):
+    """A layer's routed experts. On the CPU, quantized stacks go to the native kernel
+    (kernels/moe.cc) where it was built; otherwise, and with `elsewhere`, to the XLA loop
+    (_experts_grouped_xla). use_native: None picks; False forces the XLA loop (tests)."""
+    quantized = isinstance(gate_up, QTensor) and isinstance(down, QTensor)
+    if use_native is None:
+        use_native = quantized and not elsewhere and native.available()
+    elif use_native and not (quantized and not elsewhere and native.available()):
+        raise RuntimeError("the native MoE kernel takes quantized stacks, unsharded, where it was built")
+    xla = partial(_experts_grouped_xla, block=block, elsewhere=elsewhere)
+    if not use_native:
+        return xla(x, weights, ids, gate_up, down)
+    return jax.lax.platform_dependent(x, weights, ids, gate_up, down, cpu=_experts_native, default=xla)
+
+
+def _experts_native(x, weights, ids, gate_up: QTensor, down: QTensor):
+    none = jnp.zeros((0,), jnp.float32)
+    call = jax.ffi.ffi_call(native.MOE_EXPERTS, jax.ShapeDtypeStruct(x.shape, jnp.float32))
+    out = call(x.astype(jnp.float32), ids.astype(jnp.int32), weights.astype(jnp.float32),
+               gate_up.values, gate_up.scale, none if gate_up.min is None else gate_up.min,
+               down.values, down.scale, none if down.min is None else down.min,
+               gu_kind=np.int64(LAYOUTS.index(gate_up.layout)), gu_block=np.int64(gate_up.block),
+               gu_has_min=np.int64(gate_up.min is not None), down_kind=np.int64(LAYOUTS.index(down.layout)),
+               down_block=np.int64(down.block), down_has_min=np.int64(down.min is not None))
+    return out.astype(x.dtype)
+
+
+def _experts_grouped_xla(x, weights, ids, gate_up, down, block: int, elsewhere: bool = False):
     """Sort the assignments by expert, pad each expert's group to whole blocks of `block`
     rows, and loop over the blocks in use: each slices its expert's matrices once and
     multiplies its rows. Each chosen expert's weights are read once per block, unchosen

@@ -1,4 +1,4 @@
-"""The native CPU kernels (kernels/*.cc: quantized products, decode attention): found
+"""The native CPU kernels (kernels/*.cc: quantized products, decode attention, MoE experts): found
 beside this module, where the install built them, and registered with XLA once.
 
 The install builds them with the machine's C++ compiler (setup.py); where it could
@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 QMATMUL = "motet_qmatmul"
 QMATMUL_STACKED = "motet_qmatmul_stacked"  # one matrix of a stack, by a traced index
 ATTEND_ROWS = "motet_attend_rows"  # decode attention over the KV cache
+MOE_EXPERTS = "motet_moe_experts"  # a MoE layer's routed experts, quantized
 LIBRARY = "_qmatmul"
 
 
@@ -48,6 +49,7 @@ def _library() -> ctypes.CDLL | None:
     jax.ffi.register_ffi_target(QMATMUL, jax.ffi.pycapsule(lib.MotetQMatmul), platform="cpu")
     jax.ffi.register_ffi_target(QMATMUL_STACKED, jax.ffi.pycapsule(lib.MotetQMatmulStacked), platform="cpu")
     jax.ffi.register_ffi_target(ATTEND_ROWS, jax.ffi.pycapsule(lib.MotetAttendRows), platform="cpu")
+    jax.ffi.register_ffi_target(MOE_EXPERTS, jax.ffi.pycapsule(lib.MotetMoeExperts), platform="cpu")
     return lib
 
 

@@ -43,6 +43,34 @@ struct Attention {
 };
 
 using Impl = void (*)(const QWeights&, const float* x, int64_t m, float* out, const Parallel&);
+
+// A stack of matrices [count, n, k] in one layout (a layer's experts): matrix e is
+// `first` with its pointers moved e matrices on.
+struct QStack {
+  QWeights first;
+  int64_t count;
+  QWeights matrix(int64_t e) const {
+    const int64_t row_bytes = first.kind == Q4 ? first.k / 2 : first.k, blocks = first.k / first.block;
+    QWeights w = first;
+    w.values += e * first.n * row_bytes;
+    w.scale += e * first.n * blocks;
+    if (w.min) w.min += e * first.n * blocks;
+    return w;
+  }
+};
+
+// A MoE layer's routed experts (moe.cc): out[t] = Σ_j weight[t, j] · down_e(swiglu(
+// gate_up_e(x[t]))) over e = ids[t, j], with swiglu(h) = silu(h[:f]) · h[f:].
+struct Experts {
+  int64_t tokens, k;     // rows of x, experts per row
+  const float* x;        // [tokens, d]
+  const int32_t* ids;    // [tokens, k]: matrices of the stacks (clamped into them)
+  const float* weights;  // [tokens, k]
+  QStack gate_up;        // [E, 2f, d]
+  QStack down;           // [E, d, f]
+  float* out;            // [tokens, d]
+};
+void moe_experts(const Experts&, Impl product, const Parallel&);
 using AttendImpl = void (*)(const Attention&, const Parallel&);
 
 #define MOTET_KERNELS                                                           \

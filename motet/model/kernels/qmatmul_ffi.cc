@@ -114,6 +114,51 @@ ffi::Error QMatmulStacked(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi:
   return Product(threads, x, values, scale, mins, out, kind, block, has_min, index.typed_data()[0]);
 }
 
+// A stack [count, n, k] of one layout from its buffers, or an error.
+ffi::Error stack_of(ffi::AnyBuffer& values, ffi::Buffer<ffi::F32>& scale, ffi::Buffer<ffi::F32>& mins,
+                    int64_t kind, int64_t block, int64_t has_min, motet_qmatmul::QStack& stack) {
+  const auto vd = values.dimensions();
+  if (vd.size() != 3 || block <= 0) return ffi::Error::InvalidArgument("moe_experts: bad stack ranks");
+  const int64_t row_bytes = vd[2], k = kind == motet_qmatmul::Q4 ? row_bytes * 2 : row_bytes;
+  if (k % block != 0 || (kind == motet_qmatmul::Q4 && (block != 32 || !has_min)) ||
+      static_cast<int64_t>(scale.element_count()) != vd[0] * vd[1] * (k / block) ||
+      (has_min && mins.element_count() != scale.element_count()))
+    return ffi::Error::InvalidArgument("moe_experts: a stack's shapes do not agree");
+  stack.count = vd[0];
+  stack.first = {static_cast<int>(kind), static_cast<int>(block), vd[1], k,
+                 static_cast<const uint8_t*>(values.untyped_data()), scale.typed_data(),
+                 has_min ? mins.typed_data() : nullptr};
+  return ffi::Error::Success();
+}
+
+// A MoE layer's routed experts (qmatmul.h's Experts): x [tokens, d], ids and weights
+// [tokens, k], the gate_up [E, 2f, d] and down [E, d, f] stacks.
+ffi::Error MoeExperts(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
+                      ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer gu_values, ffi::Buffer<ffi::F32> gu_scale,
+                      ffi::Buffer<ffi::F32> gu_mins, ffi::AnyBuffer down_values, ffi::Buffer<ffi::F32> down_scale,
+                      ffi::Buffer<ffi::F32> down_mins, ffi::ResultBuffer<ffi::F32> out, int64_t gu_kind,
+                      int64_t gu_block, int64_t gu_has_min, int64_t down_kind, int64_t down_block,
+                      int64_t down_has_min) {
+  motet_qmatmul::Experts m{};
+  if (auto e = stack_of(gu_values, gu_scale, gu_mins, gu_kind, gu_block, gu_has_min, m.gate_up); e.failure()) return e;
+  if (auto e = stack_of(down_values, down_scale, down_mins, down_kind, down_block, down_has_min, m.down); e.failure())
+    return e;
+  const auto xd = x.dimensions(), id = ids.dimensions();
+  const int64_t d = m.gate_up.first.k, f = m.gate_up.first.n / 2;
+  if (xd.size() != 2 || id.size() != 2 || xd[0] != id[0] || xd[1] != d || weights.element_count() != ids.element_count() ||
+      m.down.count != m.gate_up.count || m.down.first.n != d || m.down.first.k != f || m.gate_up.first.n % 2 ||
+      out->element_count() != x.element_count() || m.gate_up.count < 1)
+    return ffi::Error::InvalidArgument("moe_experts: shapes do not agree");
+  m.tokens = xd[0];
+  m.k = id[1];
+  m.x = x.typed_data();
+  m.ids = ids.typed_data();
+  m.weights = weights.typed_data();
+  m.out = out->typed_data();
+  motet_qmatmul::moe_experts(m, chosen().impl, motet_qmatmul::Parallel{&threads, for_each_on_pool});
+  return ffi::Error::Success();
+}
+
 // Decode attention (qmatmul.h's Attention): q [rows, kv_heads, group, head_dim], the
 // rows' new K and V [rows, kv_heads, head_dim], the caches, slots and positions [rows].
 ffi::Error AttendRows(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
@@ -177,6 +222,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetAttendRows, AttendRows,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetMoeExperts, MoeExperts,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("gu_kind")
+                                  .Attr<int64_t>("gu_block")
+                                  .Attr<int64_t>("gu_has_min")
+                                  .Attr<int64_t>("down_kind")
+                                  .Attr<int64_t>("down_block")
+                                  .Attr<int64_t>("down_has_min"));
 
 extern "C" {
 // The instruction set the kernels use ("avx512", "avx2" or "base").
