@@ -10,6 +10,44 @@
 #include "qmatmul.h"
 
 namespace motet_qmatmul {
+namespace {
+
+// Up to this many rows an expert, experts run in parallel, each on one thread; past it,
+// each product is shared out over the threads instead.
+constexpr int64_t FEW_ROWS = 8;
+
+void inline_for_each(void*, int64_t units, Task task, void* arg) {
+  for (int64_t unit = 0; unit < units; ++unit) task(arg, unit);
+}
+
+struct Plan {
+  const Experts& m;
+  Impl product;
+  Parallel inner;                     // how an expert's own products run
+  const std::vector<int64_t>& start;  // [experts + 1]: expert e's assignments in order
+  const std::vector<int64_t>& order;  // assignments sorted by expert
+  std::vector<float> ys;              // [sorted assignments, d]: each one's output
+};
+
+// Expert e's rows: gathered, through gate_up, swiglu and down, into plan.ys.
+void run_expert(void* arg, int64_t e) {
+  Plan& plan = *static_cast<Plan*>(arg);
+  const Experts& m = plan.m;
+  const int64_t first = plan.start[e], count = plan.start[e + 1] - first;
+  if (count == 0) return;
+  const int64_t d = m.gate_up.first.k, f = m.gate_up.first.n / 2;
+  std::vector<float> rows(count * d), hidden(count * 2 * f), act(count * f);
+  for (int64_t i = 0; i < count; ++i)
+    std::memcpy(&rows[i * d], m.x + plan.order[first + i] / m.k * d, d * sizeof(float));
+  plan.product(m.gate_up.matrix(e), rows.data(), count, hidden.data(), plan.inner);
+  for (int64_t i = 0; i < count; ++i) {
+    const float* gate = &hidden[i * 2 * f];
+    for (int64_t j = 0; j < f; ++j) act[i * f + j] = gate[j] / (1.f + std::exp(-gate[j])) * gate[f + j];
+  }
+  plan.product(m.down.matrix(e), act.data(), count, &plan.ys[first * d], plan.inner);
+}
+
+}  // namespace
 
 void moe_experts(const Experts& m, Impl product, const Parallel& parallel) {
   const int64_t d = m.gate_up.first.k, f = m.gate_up.first.n / 2, experts = m.gate_up.count;
@@ -24,33 +62,29 @@ void moe_experts(const Experts& m, Impl product, const Parallel& parallel) {
   };
   for (int64_t a = 0; a < assignments; ++a)
     if (m.weights[a] != 0.f) ++start[expert_of(a) + 1];
-  int64_t widest = 0;
+  int64_t widest = 0, used = 0;  // the most rows of one expert; experts with any
   for (int64_t e = 0; e < experts; ++e) {
     widest = widest > start[e + 1] ? widest : start[e + 1];
+    used += start[e + 1] > 0;
     start[e + 1] += start[e];
   }
   std::vector<int64_t> next(start.begin(), start.end() - 1);
   for (int64_t a = 0; a < assignments; ++a)
     if (m.weights[a] != 0.f) order[next[expert_of(a)]++] = a;
 
-  std::vector<float> rows(widest * d), hidden(widest * 2 * f), act(widest * f), ys(widest * d);
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t first = start[e], count = start[e + 1] - first;
-    if (count == 0) continue;
-    for (int64_t i = 0; i < count; ++i)
-      std::memcpy(&rows[i * d], m.x + order[first + i] / m.k * d, d * sizeof(float));
-    product(m.gate_up.matrix(e), rows.data(), count, hidden.data(), parallel);
-    for (int64_t i = 0; i < count; ++i) {
-      const float* gate = &hidden[i * 2 * f];
-      for (int64_t j = 0; j < f; ++j) act[i * f + j] = gate[j] / (1.f + std::exp(-gate[j])) * gate[f + j];
-    }
-    product(m.down.matrix(e), act.data(), count, ys.data(), parallel);
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t a = order[first + i];
-      float* out = m.out + a / m.k * d;
-      const float w = m.weights[a];
-      for (int64_t j = 0; j < d; ++j) out[j] += w * ys[i * d + j];
-    }
+  Plan plan{m, product, parallel, start, order, std::vector<float>(assignments * d)};
+  if (widest <= FEW_ROWS && used > 1) {
+    // each expert whole on one thread: one handoff a layer instead of two a product
+    plan.inner = Parallel{nullptr, inline_for_each};
+    parallel.for_each(parallel.pool, experts, run_expert, &plan);
+  } else {
+    for (int64_t e = 0; e < experts; ++e) run_expert(&plan, e);
+  }
+  for (int64_t i = 0; i < start[experts]; ++i) {  // in sorted order, as XLA adds them
+    const int64_t a = order[i];
+    float* out = m.out + a / m.k * d;
+    const float w = m.weights[a];
+    for (int64_t j = 0; j < d; ++j) out[j] += w * plan.ys[i * d + j];
   }
 }
 
