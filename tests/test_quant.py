@@ -98,8 +98,9 @@ def test_the_kernel_equals_the_xla_path(isa):
         for w in layouts():
             w = jax.device_put(w)
             reference = dequantize_host(w).astype(np.float64)
-            # 1: decode; 2-31: batched decode; 32 and more: prefill (each its own loop)
-            for m in (1, 2, 3, 7, 16, 31, 32, 45):
+            # 1: decode; then few rows (panels of w as floats), up to 31 with AVX2 and 159
+            # with AVX-512; then many (k-major panels): each its own loop
+            for m in (1, 2, 3, 7, 16, 31, 32, 45, 170):
                 x = rng.standard_normal((m, w.shape[1])).astype(np.float32)
                 want = x.astype(np.float64) @ reference.T
                 scale = np.abs(want).max()
