@@ -176,8 +176,10 @@ class _Reader:
         if dtype is None:
             raise MirrorError(f"unknown array element type {name!r}")
         shape = tuple(self.unpack(_U64) for _ in range(self.unpack(_U8)))
-        count = 1
-        for n in shape:
+        # checked as the product grows (a forged shape cannot make a huge number), and an
+        # empty array is empty whatever its other dimensions
+        count = 0 if 0 in shape else 1
+        for n in shape if count else ():
             count *= n
             if count * dtype.itemsize > len(self.data):
                 raise MirrorError(f"an array of shape {shape} is larger than the frame")
