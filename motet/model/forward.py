@@ -134,10 +134,7 @@ def attend_rows(cfg, q, k, v, k_cache, v_cache, slots, positions, use_native: bo
     was built: XLA's loops below cost a third of a decode step there. use_native: None
     picks it where it applies; False forces the XLA loops (tests).
     """
-    if use_native is None:
-        use_native = native.available() and k_cache.dtype == F32 and q.dtype == F32
-    elif use_native and not native.available():
-        raise RuntimeError("the native attention kernel is not built here")
+    use_native = native.use_kernel(use_native, k_cache.dtype == F32 and q.dtype == F32, "attention")
     args = (q, k, v, k_cache, v_cache, slots, positions)
     if not use_native:
         return _attend_rows_xla(cfg, *args)

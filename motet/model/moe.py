@@ -52,10 +52,7 @@ def experts_grouped(x, weights, ids, gate_up, down, block: int, elsewhere: bool 
     (kernels/moe.cc) where it was built; otherwise, and with `elsewhere`, to the XLA loop
     (_experts_grouped_xla). use_native: None picks; False forces the XLA loop (tests)."""
     quantized = isinstance(gate_up, QTensor) and isinstance(down, QTensor)
-    if use_native is None:
-        use_native = quantized and not elsewhere and native.available()
-    elif use_native and not (quantized and not elsewhere and native.available()):
-        raise RuntimeError("the native MoE kernel takes quantized stacks, unsharded, where it was built")
+    use_native = native.use_kernel(use_native, quantized and not elsewhere, "MoE experts")
     xla = partial(_experts_grouped_xla, block=block, elsewhere=elsewhere)
     if not use_native:
         return xla(x, weights, ids, gate_up, down)

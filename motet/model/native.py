@@ -1,5 +1,6 @@
-"""The native CPU kernels (kernels/*.cc: quantized products, decode attention, MoE experts): found
-beside this module, where the install built them, and registered with XLA once.
+"""The native CPU kernels (kernels/*.cc: quantized products, decode attention, a MoE
+layer's experts): found beside this module, where the install built them, and
+registered with XLA once.
 
 The install builds them with the machine's C++ compiler (setup.py); where it could
 not, `available()` is False and quantized products take the XLA path (quant.py).
@@ -55,6 +56,17 @@ def _library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return _library() is not None
+
+
+def use_kernel(asked: bool | None, applies: bool, what: str) -> bool:
+    """Whether a computation runs on its native kernel. asked None: where the kernel was
+    built and applies (its operands are of the kinds it takes); True: it must (an error
+    where it cannot); False: never (tests compare it with the XLA path so)."""
+    if asked is None:
+        return applies and available()
+    if asked and not (applies and available()):
+        raise RuntimeError(f"the native {what} kernel was not built here, or does not take these operands")
+    return asked
 
 
 def instruction_set() -> str | None:

@@ -91,10 +91,7 @@ def qmatmul(x: jax.Array, w: QTensor, use_native: bool | None = None, index=None
     CPU where it was built; False forces the dequantize-and-dot path (tests)."""
     if w.values.ndim != (2 if index is None else 3):
         raise ValueError(f"qmatmul takes one [N, K] matrix, or a stack [E, N, K] and an index; got {w.shape}")
-    if use_native is None:
-        use_native = native.available()
-    elif use_native and not native.available():
-        raise RuntimeError("the native quantized kernel is not built here")
+    use_native = native.use_kernel(use_native, True, "quantized product")
     if index is not None:
         index = jnp.asarray(index, jnp.int32).reshape(())
 
