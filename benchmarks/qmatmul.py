@@ -7,7 +7,9 @@
 Formulations, each jitted over the whole stack, in one process:
   float32   x @ W with float32 weights (XLA's own dot): what motet ran before
   xla-q     the XLA fallback: each Q4_1 / Q8_0 block dequantized inside the jit, then dot
-  kernel    the native kernel (motet/model/kernels) through jax.ffi
+  kernel    the native kernel (motet/model/kernels) through jax.ffi, on the best
+            instruction set this CPU has
+  kernel-avx2  the same kernel on AVX2, where the best one is AVX-512
 Prints JSON, then a table of milliseconds per pass and the weight bytes each reads.
 """
 
@@ -72,16 +74,26 @@ def main(argv=None) -> int:
                for _ in range(LAYERS)], jnp.asarray(rng.standard_normal((D, VOCAB)).astype(np.float32)))
     forms = {"float32": (stack(jnp.dot), floats),
              "xla-q": (stack(lambda x, w: qmatmul(x, w, use_native=False)), quantized)}
+    isas = {}  # form -> the instruction set it runs on
     if native.available():
-        forms["kernel"] = (stack(lambda x, w: qmatmul(x, w, use_native=True)), quantized)
+        kernel = stack(lambda x, w: qmatmul(x, w, use_native=True))
+        forms["kernel"] = (kernel, quantized)
+        isas["kernel"] = native.instruction_set()
+        if isas["kernel"] == "avx512":
+            forms["kernel-avx2"] = (kernel, quantized)
+            isas["kernel-avx2"] = "avx2"
     weight_bytes = {name: sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(w)) for name, (_, w) in forms.items()}
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         x = jnp.asarray(rng.standard_normal((rows, D)).astype(np.float32))
         for name, (fn, weights) in forms.items():
+            if name in isas:
+                native.select_instruction_set(isas[name])
             repeats = args.repeats if rows < 100 else max(2, args.repeats // 3)
             ms = timed(fn, (x, *weights), repeats) * 1e3
             results.append({"rows": rows, "form": name, "ms": round(ms, 2), "weight_mb": round(weight_bytes[name] / 1e6, 1)})
+    if isas:
+        native.select_instruction_set(isas["kernel"])
     print(json.dumps({"instruction_set": native.instruction_set(), "results": results}, indent=1))
     print(f"\nkernel instruction set: {native.instruction_set()}")
     print("| rows | " + " | ".join(forms) + " | float32 time / kernel time |")

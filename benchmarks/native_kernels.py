@@ -1,0 +1,114 @@
+"""Each native CPU kernel against the XLA computation it replaces, inside the model's own
+jitted steps, side by side in one process: a decode step of 1 and of 16 rows (300
+cached positions each) and a 512-token prefill, with every kernel on, with decode
+attention on XLA's loops, and with the MoE experts on XLA's grouped loop. The variants
+take turns, round after round, and each reports its best round (the machine is shared).
+
+    .venv/bin/python benchmarks/native_kernels.py [--files default,moe-q4km] [--rounds 3]
+
+moe-q4km is the generated MoE of benchmarks/moe_gguf.py, made by llama.cpp's quantizer
+(llama-cpp-python) on first use and cached. Prints one JSON object, then a table (ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from functools import partial
+
+import jax
+import numpy as np
+
+from motet.model import forward, load_model, moe, native
+from motet.model.kv import KVGeometry, init_kv
+
+POSITIONS = 300
+PREFILL = 512
+
+
+def xla_attention():
+    """Decode attention on XLA's loops: (install, restore)."""
+    kernel = forward.attend_rows
+    return (lambda: setattr(forward, "attend_rows", partial(kernel, use_native=False)),
+            lambda: setattr(forward, "attend_rows", kernel))
+
+
+def xla_experts():
+    kernel = moe.experts_grouped
+    return (lambda: setattr(moe, "experts_grouped", partial(kernel, use_native=False)),
+            lambda: setattr(moe, "experts_grouped", kernel))
+
+
+VARIANTS = {"native": None, "xla attention": xla_attention, "xla experts": xla_experts}
+
+
+def forget_compiled():
+    for fn in (forward._decode, forward._rows_layer, forward._prefill, forward._chunk_layer):
+        fn.clear_cache()
+
+
+def mean_ms(call, calls: int) -> float:
+    jax.block_until_ready(call())
+    started = time.perf_counter()
+    for _ in range(calls):
+        out = call()
+    jax.block_until_ready(out)
+    return (time.perf_counter() - started) / calls * 1e3
+
+
+def measure(model, rounds: int, variants: list[str]) -> dict[str, dict[str, float]]:
+    cfg, weights = model.config, model.weights
+    k, v = init_kv(cfg, KVGeometry(n_slots=16, max_context=1024, chunk=PREFILL))
+    steps = {}
+    for b in (1, 16):
+        rows = tuple(jax.device_put(a) for a in (np.full(b, 5, np.int32), np.arange(b, dtype=np.int32),
+                                                 np.full(b, POSITIONS, np.int32)))
+        steps[f"decode {b}"] = (lambda rows=rows: forward.decode(weights, k, v, *rows, cfg=cfg), 20)
+    tokens = jax.device_put(np.arange(PREFILL, dtype=np.int32) % 1000)
+    steps[f"prefill {PREFILL}"] = (lambda: forward.prefill(weights, k, v, tokens, 0, 0, PREFILL, cfg=cfg)[0], 2)
+    best: dict[str, dict[str, float]] = {name: {} for name in variants}
+    for _ in range(rounds):
+        for name in variants:
+            switch = VARIANTS[name]
+            install, restore = switch() if switch else (lambda: None, lambda: None)
+            install()
+            forget_compiled()
+            try:
+                for step, (call, calls) in steps.items():
+                    ms = mean_ms(call, calls)
+                    best[name][step] = min(best[name].get(step, float("inf")), ms)
+            finally:
+                restore()
+                forget_compiled()
+    return best
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--files", default="default,moe-q4km")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    if not native.available():
+        print("the native kernels were not built here: nothing to compare", file=sys.stderr)
+        return 2
+    from peers import files
+
+    results = {}
+    for name, path in files(args.files.split(",")).items():
+        model = load_model(path)
+        variants = ["native", "xla attention"] + (["xla experts"] if model.config.is_moe else [])
+        results[name] = measure(model, args.rounds, variants)
+    print(json.dumps({"isa": native.instruction_set(), "positions": POSITIONS, "rounds": args.rounds,
+                      "ms": results}, indent=1))
+    for name, table in results.items():
+        steps = list(next(iter(table.values())))
+        print(f"\n{name} (ms)" + "".join(f"{s:>14}" for s in steps))
+        for variant, row in table.items():
+            print(f"{variant:<16}" + "".join(f"{row[s]:14.2f}" for s in steps))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

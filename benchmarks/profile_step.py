@@ -1,0 +1,76 @@
+"""Where a jitted step's time goes: JAX's profiler traces a few decode steps (1 row, 300
+cached positions) and 512-token prefills, and this sums the trace's events by kind:
+the native kernels' calls (ffi_call) against XLA's own fused ops.
+
+    .venv/bin/python benchmarks/profile_step.py [--file default|moe-q4km|PATH] [--calls 5]
+
+Prints one JSON object, then a table (ms per step; the profiler adds a little to each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from motet.model import load_model
+from motet.model.forward import decode, prefill
+from motet.model.kv import KVGeometry, init_kv
+
+
+def traced_ms(call, calls: int) -> dict[str, float]:
+    """ms per call of each kind of event the executor ran, from a perfetto trace."""
+    for _ in range(2):
+        jax.block_until_ready(call())
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder, create_perfetto_trace=True):
+            for _ in range(calls):
+                jax.block_until_ready(call())
+        trace = next(Path(folder).rglob("*perfetto_trace.json.gz"))
+        events = json.load(gzip.open(trace))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    totals: Counter = Counter()
+    for event in events:
+        name = event.get("name", "")
+        if event.get("ph") == "X" and not name.startswith(("end:", "$")):
+            totals[name.split(".")[0]] += event.get("dur", 0)
+    step = totals.pop("ThunkExecutor::Execute", 0)
+    native = totals.pop("ffi_call", 0)
+    ops = {k: v for k, v in totals.items() if "fusion" in k or k.startswith("wrapped_") or k in ("dot", "copy")}
+    top = dict(sorted(ops.items(), key=lambda kv: -kv[1])[:6])
+    return {"step": step / calls / 1e3, "native calls": native / calls / 1e3,
+            "xla ops": sum(ops.values()) / calls / 1e3, **{f"  {k}": v / calls / 1e3 for k, v in top.items()}}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--file", default="default")
+    parser.add_argument("--calls", type=int, default=5)
+    args = parser.parse_args(argv)
+    from peers import files
+
+    model = load_model(files([args.file])[args.file])
+    cfg, weights = model.config, model.weights
+    k, v = init_kv(cfg, KVGeometry(n_slots=16, max_context=1024, chunk=512))
+    rows = tuple(jax.device_put(np.array([a], np.int32)) for a in (5, 0, 300))
+    tokens = jax.device_put(np.arange(512, dtype=np.int32) % 1000)
+    result = {"decode 1": traced_ms(lambda: decode(weights, k, v, *rows, cfg=cfg), args.calls),
+              "prefill 512": traced_ms(lambda: prefill(weights, k, v, tokens, 0, 0, 512, cfg=cfg)[0],
+                                       max(1, args.calls // 3))}
+    print(json.dumps({"file": args.file, "ms": result}, indent=1))
+    for name, parts in result.items():
+        print(f"\n{name} (ms per step)")
+        for part, ms in parts.items():
+            print(f"  {part:<34}{ms:9.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
