@@ -1,6 +1,6 @@
-"""The native decode-attention kernel (kernels/attend_body.inc) computes what XLA's loops
-compute (forward._attend_rows_xla), on every instruction set this CPU has, for the head
-layouts motet's models use."""
+"""The native attention kernels (kernels/attend_body.inc) compute what XLA computes
+(forward._attend_rows_xla for decode, forward._attend_chunk_xla for prefill), on every
+instruction set this CPU has, for the head layouts motet's models use."""
 
 from types import SimpleNamespace
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from motet.model import native
-from motet.model.forward import ATTN_BLOCK, attend_rows
+from motet.model.forward import ATTN_BLOCK, attend_chunk, attend_rows
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels were not built")
 
@@ -83,3 +83,60 @@ def test_a_cache_that_is_not_float32_takes_the_xla_path():
     assert native.ATTEND_ROWS not in lowered
     f32 = tuple(jnp.asarray(a, jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args)
     assert native.ATTEND_ROWS in jax.jit(lambda *a: attend_rows(cfg, *a)).lower(*f32).as_text()
+    # prefill likewise
+    def chunk(*a):
+        return jax.jit(lambda *a: attend_chunk(cfg, *a)).lower(*a).as_text()
+
+    assert native.ATTEND_CHUNK not in chunk(*args[:5], 1, 3)
+    assert native.ATTEND_CHUNK in chunk(*f32[:5], 1, 3)
+
+
+def chunk_case(kv_heads, group, head_dim, tokens, history: bool, seed=0):
+    rng = np.random.default_rng(seed)
+    cfg = SimpleNamespace(n_kv_heads=kv_heads, group_size=group, head_dim=head_dim)
+    capacity = 600 + ATTN_BLOCK
+    q = rng.standard_normal((tokens, kv_heads * group, head_dim)).astype(np.float32)
+    k, v = (rng.standard_normal((tokens, kv_heads, head_dim)).astype(np.float32) for _ in range(2))
+    caches = (rng.standard_normal((3, kv_heads, head_dim, capacity)).astype(np.float32),
+              rng.standard_normal((3, kv_heads, capacity, head_dim)).astype(np.float32)) if history else (None, None)
+    return cfg, q, k, v, caches
+
+
+def chunk_both(cfg, q, k, v, caches, slot, offset):
+    def run(native_):
+        return np.asarray(jax.jit(lambda q, k, v, kc, vc, s, o: attend_chunk(cfg, q, k, v, kc, vc, s, o, use_native=native_))(
+            q, k, v, *caches, slot, offset))
+
+    return run(True), run(False)
+
+
+@pytest.mark.parametrize("isa", native.INSTRUCTION_SETS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_prefill_kernel_equals_xla(isa, shape):
+    best = native.instruction_set()
+    if not native.select_instruction_set(isa):
+        pytest.skip(f"this CPU has no {isa}")
+    try:
+        # a fresh prompt; a chunk after a history shorter and longer than an attention
+        # block; a short chunk at the end of the context
+        for tokens, history, offset in ((16, False, 0), (37, True, 0), (64, True, 300), (5, True, 599)):
+            cfg, q, k, v, caches = chunk_case(*shape, tokens, history, seed=tokens)
+            kernel, xla = chunk_both(cfg, q, k, v, caches, 2, offset)
+            assert kernel.shape == xla.shape == (tokens, shape[0] * shape[1] * shape[2])
+            np.testing.assert_allclose(kernel, xla, atol=2e-6, rtol=1e-5)
+    finally:
+        native.select_instruction_set(best)
+
+
+def test_a_chunk_reads_only_its_slots_history_and_its_own_earlier_tokens():
+    cfg, q, k, v, (k_cache, v_cache) = chunk_case(3, 3, 64, 20, True)
+    before, _ = chunk_both(cfg, q, k, v, (k_cache, v_cache), 1, 100)
+    k_cache, v_cache = k_cache.copy(), v_cache.copy()
+    k_cache[[0, 2]], v_cache[[0, 2]] = 1e3, 1e3  # the other slots
+    k_cache[1, :, :, 100:], v_cache[1, :, 100:] = 1e3, 1e3  # past the history
+    after, _ = chunk_both(cfg, q, k, v, (k_cache, v_cache), 1, 100)
+    np.testing.assert_array_equal(after, before)
+    k2, v2 = k.copy(), v.copy()
+    k2[10:], v2[10:] = 1e3, 1e3  # later tokens of the chunk: the first ten do not see them
+    changed, _ = chunk_both(cfg, q, k2, v2, (k_cache, v_cache), 1, 100)
+    np.testing.assert_array_equal(changed[:10], before[:10])

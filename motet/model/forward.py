@@ -100,9 +100,37 @@ def _online_update(carry, s, vb, spec):
     return m_new, l * corr + p.sum(-1), acc
 
 
-def attend_chunk(cfg, q, k, v, k_cache, v_cache, slot, offset):
+def attend_chunk(cfg, q, k, v, k_cache, v_cache, slot, offset, use_native: bool | None = None):
     """Causal attention of a chunk of t tokens at `offset`: over the slot's cached
-    positions < offset (none when k_cache is None) and over the chunk itself."""
+    positions < offset (none when k_cache is None) and over the chunk itself.
+
+    On the CPU, float32 operands go to the native kernel where it was built (XLA's dots,
+    mask, softmax and copies here took a third of a prefill); use_native as attend_rows.
+    """
+    floats = q.dtype == F32 and (k_cache is None or k_cache.dtype == F32)
+    use_native = native.use_kernel(use_native, floats, "attention")
+    if not use_native:
+        return _attend_chunk_xla(cfg, q, k, v, k_cache, v_cache, slot, offset)
+    history = k_cache is not None
+    if not history:  # the kernel reads no cache; these stand in for it
+        k_cache = v_cache = jnp.zeros((1, 1, 1, 1), F32)
+    args = (q, k, v, k_cache, v_cache, slot, offset)
+    return jax.lax.platform_dependent(
+        *args, cpu=partial(_attend_chunk_native, cfg, history),
+        default=lambda *a: _attend_chunk_xla(cfg, *a[:3], *(a[3:5] if history else (None, None)), *a[5:]))
+
+
+def _attend_chunk_native(cfg, history: bool, q, k, v, k_cache, v_cache, slot, offset):
+    t, nk, g, hd = q.shape[0], cfg.n_kv_heads, cfg.group_size, cfg.head_dim
+    call = jax.ffi.ffi_call(native.ATTEND_CHUNK, jax.ShapeDtypeStruct((t, nk, g, hd), F32))
+    scalar = partial(jnp.reshape, shape=(1,))
+    out = call(q.reshape(t, nk, g, hd), k.transpose(1, 2, 0), v.transpose(1, 0, 2), k_cache, v_cache,
+               scalar(jnp.asarray(slot, jnp.int32)), scalar(jnp.asarray(offset, jnp.int32)),
+               scale=np.float32(hd**-0.5), has_history=np.int64(history))
+    return out.reshape(t, -1)
+
+
+def _attend_chunk_xla(cfg, q, k, v, k_cache, v_cache, slot, offset):
     t = q.shape[0]
     nk, g, hd = cfg.n_kv_heads, cfg.group_size, cfg.head_dim
     q = q.reshape(t, nk, g, hd).transpose(1, 2, 0, 3) * hd**-0.5  # [k, g, t, d]

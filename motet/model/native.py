@@ -1,5 +1,5 @@
-"""The native CPU kernels (kernels/*.cc: quantized products, decode attention, a MoE
-layer's experts): found beside this module, where the install built them, and
+"""The native CPU kernels (kernels/*.cc: quantized products, decode and prefill
+attention, a MoE layer's experts): found beside this module, where the install built them, and
 registered with XLA once.
 
 The install builds them with the machine's C++ compiler (setup.py); where it could
@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 QMATMUL = "motet_qmatmul"
 QMATMUL_STACKED = "motet_qmatmul_stacked"  # one matrix of a stack, by a traced index
 ATTEND_ROWS = "motet_attend_rows"  # decode attention over the KV cache
+ATTEND_CHUNK = "motet_attend_chunk"  # prefill attention: a chunk over its slot's history
 MOE_EXPERTS = "motet_moe_experts"  # a MoE layer's routed experts, quantized
 LIBRARY = "_qmatmul"
 
@@ -50,6 +51,7 @@ def _library() -> ctypes.CDLL | None:
     jax.ffi.register_ffi_target(QMATMUL, jax.ffi.pycapsule(lib.MotetQMatmul), platform="cpu")
     jax.ffi.register_ffi_target(QMATMUL_STACKED, jax.ffi.pycapsule(lib.MotetQMatmulStacked), platform="cpu")
     jax.ffi.register_ffi_target(ATTEND_ROWS, jax.ffi.pycapsule(lib.MotetAttendRows), platform="cpu")
+    jax.ffi.register_ffi_target(ATTEND_CHUNK, jax.ffi.pycapsule(lib.MotetAttendChunk), platform="cpu")
     jax.ffi.register_ffi_target(MOE_EXPERTS, jax.ffi.pycapsule(lib.MotetMoeExperts), platform="cpu")
     return lib
 

@@ -71,11 +71,28 @@ struct Experts {
   float* out;            // [tokens, d]
 };
 void moe_experts(const Experts&, Impl product, const Parallel&);
+// Prefill attention: a chunk's tokens, causally among themselves, over a slot's cached
+// positions < offset first (none where k_cache is null).
+struct ChunkAttention {
+  int64_t tokens, kv_heads, group, head_dim;
+  int64_t slots, capacity;
+  float scale;
+  const float* q;        // [tokens, kv_heads, group, head_dim]
+  const float* k_chunk;  // [kv_heads, head_dim, tokens]: transposed, as the cache keeps K
+  const float* v_chunk;  // [kv_heads, tokens, head_dim]
+  const float* k_cache;  // as Attention's, or null
+  const float* v_cache;
+  int64_t slot, offset;
+  float* out;            // [tokens, kv_heads, group, head_dim]
+};
+
 using AttendImpl = void (*)(const Attention&, const Parallel&);
+using ChunkImpl = void (*)(const ChunkAttention&, const Parallel&);
 
 #define MOTET_KERNELS                                                           \
   void qmatmul(const QWeights&, const float*, int64_t, float*, const Parallel&); \
-  void attend_rows(const Attention&, const Parallel&);
+  void attend_rows(const Attention&, const Parallel&);                            \
+  void attend_chunk(const ChunkAttention&, const Parallel&);
 namespace base { MOTET_KERNELS }
 #if defined(__x86_64__)
 namespace avx2 { MOTET_KERNELS }

@@ -19,9 +19,11 @@ struct Choice {
   const char* name;
   Impl impl;
   motet_qmatmul::AttendImpl attend;
+  motet_qmatmul::ChunkImpl attend_chunk;
 };
 
-#define MOTET_CHOICE(isa) Choice{#isa, motet_qmatmul::isa::qmatmul, motet_qmatmul::isa::attend_rows}
+#define MOTET_CHOICE(isa) \
+  Choice{#isa, motet_qmatmul::isa::qmatmul, motet_qmatmul::isa::attend_rows, motet_qmatmul::isa::attend_chunk}
 
 Choice best_for_this_cpu() {
 #if defined(__x86_64__)
@@ -183,6 +185,32 @@ ffi::Error AttendRows(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buf
   return ffi::Error::Success();
 }
 
+// Prefill attention (qmatmul.h's ChunkAttention): q [tokens, kv_heads, group, head_dim],
+// the chunk's K [kv_heads, head_dim, tokens] and V [kv_heads, tokens, head_dim], the
+// caches (read where has_history), slot and offset (one int32 each).
+ffi::Error AttendChunk(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_chunk,
+                       ffi::Buffer<ffi::F32> v_chunk, ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+                       ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> offset, ffi::ResultBuffer<ffi::F32> out,
+                       float scale, int64_t has_history) {
+  const auto qd = q.dimensions(), kd = k_chunk.dimensions(), vd = v_chunk.dimensions();
+  const auto cd = k_cache.dimensions(), cv = v_cache.dimensions();
+  if (qd.size() != 4 || kd.size() != 3 || vd.size() != 3 || cd.size() != 4 || cv.size() != 4)
+    return ffi::Error::InvalidArgument("attend_chunk: bad ranks");
+  const int64_t t = qd[0], heads = qd[1], group = qd[2], hd = qd[3];
+  if (kd[0] != heads || kd[1] != hd || kd[2] != t || vd[0] != heads || vd[1] != t || vd[2] != hd ||
+      slot.element_count() != 1 || offset.element_count() != 1 || out->element_count() != q.element_count() ||
+      (has_history && (cd[0] < 1 || cd[1] != heads || cd[2] != hd || cv[0] != cd[0] || cv[1] != heads ||
+                       cv[2] != cd[3] || cv[3] != hd)))
+    return ffi::Error::InvalidArgument("attend_chunk: shapes do not agree");
+  const motet_qmatmul::ChunkAttention a{t, heads, group, hd, cd[0], cd[3], scale,
+                                        q.typed_data(), k_chunk.typed_data(), v_chunk.typed_data(),
+                                        has_history ? k_cache.typed_data() : nullptr,
+                                        has_history ? v_cache.typed_data() : nullptr,
+                                        slot.typed_data()[0], offset.typed_data()[0], out->typed_data()};
+  chosen().attend_chunk(a, motet_qmatmul::Parallel{&threads, for_each_on_pool});
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetQMatmul, QMatmul,
@@ -242,6 +270,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetMoeExperts, MoeExperts,
                                   .Attr<int64_t>("down_kind")
                                   .Attr<int64_t>("down_block")
                                   .Attr<int64_t>("down_has_min"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetAttendChunk, AttendChunk,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("has_history"));
 
 extern "C" {
 // The instruction set the kernels use ("avx512", "avx2" or "base").
