@@ -1,7 +1,7 @@
 """Each native CPU kernel against the XLA computation it replaces, inside the model's own
 jitted steps, side by side in one process: a decode step of 1 and of 16 rows (300
-cached positions each) and a 512-token prefill, with every kernel on, with decode
-attention on XLA's loops, and with the MoE experts on XLA's grouped loop. The variants
+cached positions each) and a 512-token prefill, with every kernel on, with attention
+(decode and prefill) on XLA, and with the MoE experts on XLA's grouped loop. The variants
 take turns, round after round, and each reports its best round (the machine is shared).
 
     .venv/bin/python benchmarks/native_kernels.py [--files default,moe-q4km] [--rounds 3]
@@ -29,10 +29,18 @@ PREFILL = 512
 
 
 def xla_attention():
-    """Decode attention on XLA's loops: (install, restore)."""
-    kernel = forward.attend_rows
-    return (lambda: setattr(forward, "attend_rows", partial(kernel, use_native=False)),
-            lambda: setattr(forward, "attend_rows", kernel))
+    """Decode and prefill attention on XLA: (install, restore)."""
+    kernels = {name: getattr(forward, name) for name in ("attend_rows", "attend_chunk")}
+
+    def install():
+        for name, kernel in kernels.items():
+            setattr(forward, name, partial(kernel, use_native=False))
+
+    def restore():
+        for name, kernel in kernels.items():
+            setattr(forward, name, kernel)
+
+    return install, restore
 
 
 def xla_experts():
