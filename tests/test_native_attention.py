@@ -40,21 +40,24 @@ def both(cfg, args):
 SHAPES = [(3, 3, 64), (2, 2, 16), (1, 4, 24), (4, 1, 32), (2, 8, 32)]
 
 
-@pytest.mark.parametrize("isa", native.INSTRUCTION_SETS)
+@pytest.fixture(params=native.INSTRUCTION_SETS)
+def isa(request):
+    """Each instruction set this CPU has, in turn (the best one again afterwards)."""
+    best = native.instruction_set()
+    if not native.select_instruction_set(request.param):
+        pytest.skip(f"this CPU has no {request.param}")
+    yield request.param
+    native.select_instruction_set(best)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_kernel_equals_the_xla_loops(isa, shape):
-    best = native.instruction_set()
-    if not native.select_instruction_set(isa):
-        pytest.skip(f"this CPU has no {isa}")
-    try:
-        capacity = 600 + ATTN_BLOCK
-        # no history, one position, a block and a bit, positions not a multiple of any vector
-        cfg, args = case(*shape, capacity=capacity, slots=5, positions=[0, 1, 7, 257, 300, 599])
-        kernel, xla = both(cfg, args)
-        assert kernel.shape == xla.shape == (6, shape[0] * shape[1] * shape[2])
-        np.testing.assert_allclose(kernel, xla, atol=2e-6, rtol=1e-5)
-    finally:
-        native.select_instruction_set(best)
+    capacity = 600 + ATTN_BLOCK
+    # no history, one position, a block and a bit, positions not a multiple of any vector
+    cfg, args = case(*shape, capacity=capacity, slots=5, positions=[0, 1, 7, 257, 300, 599])
+    kernel, xla = both(cfg, args)
+    assert kernel.shape == xla.shape == (6, shape[0] * shape[1] * shape[2])
+    np.testing.assert_allclose(kernel, xla, atol=2e-6, rtol=1e-5)
 
 
 def test_a_row_without_history_attends_to_its_own_value_alone():
@@ -105,28 +108,23 @@ def chunk_case(kv_heads, group, head_dim, tokens, history: bool, seed=0):
 
 def chunk_both(cfg, q, k, v, caches, slot, offset):
     def run(native_):
-        return np.asarray(jax.jit(lambda q, k, v, kc, vc, s, o: attend_chunk(cfg, q, k, v, kc, vc, s, o, use_native=native_))(
-            q, k, v, *caches, slot, offset))
+        def attend(q, k, v, k_cache, v_cache, slot, offset):
+            return attend_chunk(cfg, q, k, v, k_cache, v_cache, slot, offset, use_native=native_)
+
+        return np.asarray(jax.jit(attend)(q, k, v, *caches, slot, offset))
 
     return run(True), run(False)
 
 
-@pytest.mark.parametrize("isa", native.INSTRUCTION_SETS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_prefill_kernel_equals_xla(isa, shape):
-    best = native.instruction_set()
-    if not native.select_instruction_set(isa):
-        pytest.skip(f"this CPU has no {isa}")
-    try:
-        # a fresh prompt; a chunk after a history shorter and longer than an attention
-        # block; a short chunk at the end of the context
-        for tokens, history, offset in ((16, False, 0), (37, True, 0), (64, True, 300), (5, True, 599)):
-            cfg, q, k, v, caches = chunk_case(*shape, tokens, history, seed=tokens)
-            kernel, xla = chunk_both(cfg, q, k, v, caches, 2, offset)
-            assert kernel.shape == xla.shape == (tokens, shape[0] * shape[1] * shape[2])
-            np.testing.assert_allclose(kernel, xla, atol=2e-6, rtol=1e-5)
-    finally:
-        native.select_instruction_set(best)
+    # a fresh prompt; a chunk after a history shorter and longer than an attention
+    # block; a short chunk at the end of the context
+    for tokens, history, offset in ((16, False, 0), (37, True, 0), (64, True, 300), (5, True, 599)):
+        cfg, q, k, v, caches = chunk_case(*shape, tokens, history, seed=tokens)
+        kernel, xla = chunk_both(cfg, q, k, v, caches, 2, offset)
+        assert kernel.shape == xla.shape == (tokens, shape[0] * shape[1] * shape[2])
+        np.testing.assert_allclose(kernel, xla, atol=2e-6, rtol=1e-5)
 
 
 def test_a_chunk_reads_only_its_slots_history_and_its_own_earlier_tokens():
