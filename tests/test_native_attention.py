@@ -1,5 +1,5 @@
 """The native attention kernels (kernels/attend_body.inc) compute what XLA computes
-(forward._attend_rows_xla for decode, forward._attend_chunk_xla for prefill), on every
+(attention._attend_rows_xla for decode, attention._attend_chunk_xla for prefill), on every
 instruction set this CPU has, for the head layouts motet's models use."""
 
 from types import SimpleNamespace
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from motet.model import native
-from motet.model.forward import ATTN_BLOCK, attend_chunk, attend_rows
+from motet.model.attention import ATTN_BLOCK, attend_chunk, attend_rows
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels were not built")
 

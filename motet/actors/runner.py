@@ -16,7 +16,8 @@ import numpy as np
 from ..model.compilation import compile_workers, compiling_ahead
 from ..model.expert_pool import DEVICE, ExpertPool, Placement
 from ..model.expert_source import ArrayExpertReader
-from ..model.forward import ATTN_BLOCK, lower_decode, lower_prefill
+from ..model.attention import ATTN_BLOCK
+from ..model.forward import lower_decode, lower_prefill
 from ..model.generate import decode_padded, model_kv_sharding, prefill_slot
 from ..model.kv import KVGeometry, init_kv, read_slot_layer, write_slot_layer
 from ..model.model import Model

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
-from .forward import ATTN_BLOCK
+from .attention import ATTN_BLOCK
 
 MIN_BUCKET = 16
 

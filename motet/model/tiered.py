@@ -25,7 +25,8 @@ import jax.numpy as jnp
 
 from jax.sharding import Mesh, PartitionSpec as P
 
-from .forward import attend_chunk, attend_rows, embed, lm_head, qkv, rms_norm
+from .attention import attend_chunk, attend_rows
+from .forward import embed, lm_head, qkv, rms_norm
 from .moe import dense_ffn, experts_grouped, experts_ragged, group_block, local_experts, route
 from .quant import matmul
 from .sharding import EP, LEAF_SPECS, TP

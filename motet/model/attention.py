@@ -1,0 +1,147 @@
+"""Attention over the KV cache: a decode step's rows (one new token each) and a prefill
+chunk, as XLA computations and as the native CPU kernels (kernels/attend_body.inc) that
+replace them where they were built.
+
+KV cache layout (forward.py): per layer, K [slots, kv_heads, head_dim, context] and V
+[slots, kv_heads, context, head_dim]. Dimension letters as in forward.py.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import native
+
+F32 = jnp.float32
+
+
+# Cached history is read in blocks of this many positions, as many as a row needs: the
+# loop's trip count is data, so one compiled step serves every context length.
+ATTN_BLOCK = 256
+
+
+def _history_block(k_cache, v_cache, slot, j):
+    """Block j of a slot's cache: K [k, d, ATTN_BLOCK], V [k, ATTN_BLOCK, d]."""
+    _, nk, hd, _ = k_cache.shape
+    start = j * ATTN_BLOCK
+    kb = jax.lax.dynamic_slice(k_cache, (slot, 0, 0, start), (1, nk, hd, ATTN_BLOCK))[0]
+    vb = jax.lax.dynamic_slice(v_cache, (slot, 0, start, 0), (1, nk, ATTN_BLOCK, hd))[0]
+    return start, kb, vb
+
+
+def _online_update(carry, s, vb, spec):
+    """Fold one block of scores s [..., l] and values into a running softmax
+    (max m, normaliser l, weighted sum acc), flash-attention style."""
+    m, l, acc = carry
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.exp(s - m_new[..., None])
+    corr = jnp.exp(m - m_new)
+    acc = acc * corr[..., None] + jnp.einsum(spec, p.astype(vb.dtype), vb, preferred_element_type=F32)
+    return m_new, l * corr + p.sum(-1), acc
+
+
+def attend_chunk(cfg, q, k, v, k_cache, v_cache, slot, offset, use_native: bool | None = None):
+    """Causal attention of a chunk of t tokens at `offset`: over the slot's cached
+    positions < offset (none when k_cache is None) and over the chunk itself.
+
+    On the CPU, float32 operands go to the native kernel where it was built (XLA's dots,
+    mask, softmax and copies here took a third of a prefill); use_native as attend_rows.
+    """
+    floats = q.dtype == F32 and (k_cache is None or k_cache.dtype == F32)
+    use_native = native.use_kernel(use_native, floats, "attention")
+    if not use_native:
+        return _attend_chunk_xla(cfg, q, k, v, k_cache, v_cache, slot, offset)
+    history = k_cache is not None
+    if not history:  # the kernel reads no cache; these stand in for it
+        k_cache = v_cache = jnp.zeros((1, 1, 1, 1), F32)
+    args = (q, k, v, k_cache, v_cache, slot, offset)
+    return jax.lax.platform_dependent(
+        *args, cpu=partial(_attend_chunk_native, cfg, history),
+        default=lambda *a: _attend_chunk_xla(cfg, *a[:3], *(a[3:5] if history else (None, None)), *a[5:]))
+
+
+def _attend_chunk_native(cfg, history: bool, q, k, v, k_cache, v_cache, slot, offset):
+    t, nk, g, hd = q.shape[0], cfg.n_kv_heads, cfg.group_size, cfg.head_dim
+    call = jax.ffi.ffi_call(native.ATTEND_CHUNK, jax.ShapeDtypeStruct((t, nk, g, hd), F32))
+    scalar = partial(jnp.reshape, shape=(1,))
+    out = call(q.reshape(t, nk, g, hd), k.transpose(1, 2, 0), v.transpose(1, 0, 2), k_cache, v_cache,
+               scalar(jnp.asarray(slot, jnp.int32)), scalar(jnp.asarray(offset, jnp.int32)),
+               scale=np.float32(hd**-0.5), has_history=np.int64(history))
+    return out.reshape(t, -1)
+
+
+def _attend_chunk_xla(cfg, q, k, v, k_cache, v_cache, slot, offset):
+    t = q.shape[0]
+    nk, g, hd = cfg.n_kv_heads, cfg.group_size, cfg.head_dim
+    q = q.reshape(t, nk, g, hd).transpose(1, 2, 0, 3) * hd**-0.5  # [k, g, t, d]
+    k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [k, t, d]
+    s_self = jnp.einsum("kgtd,ksd->kgts", q, k, preferred_element_type=F32)
+    s_self = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s_self, -jnp.inf)
+    m = s_self.max(-1)
+    p = jnp.exp(s_self - m[..., None])
+    carry = (m, p.sum(-1), jnp.einsum("kgts,ksd->kgtd", p.astype(v.dtype), v, preferred_element_type=F32))
+    if k_cache is not None:
+
+        def block(j, carry):
+            start, kb, vb = _history_block(k_cache, v_cache, slot, j)
+            s = jnp.einsum("kgtd,kdl->kgtl", q, kb, preferred_element_type=F32)
+            s = jnp.where(start + jnp.arange(ATTN_BLOCK) < offset, s, -jnp.inf)
+            return _online_update(carry, s, vb, "kgtl,kld->kgtd")
+
+        carry = jax.lax.fori_loop(0, (offset + ATTN_BLOCK - 1) // ATTN_BLOCK, block, carry)
+    _, l, acc = carry
+    out = (acc / l[..., None]).astype(v.dtype)
+    return out.transpose(2, 0, 1, 3).reshape(t, -1)
+
+
+def attend_rows(cfg, q, k, v, k_cache, v_cache, slots, positions, use_native: bool | None = None):
+    """One new token per row b, at positions[b] of slot slots[b], over that slot's cached
+    positions < positions[b] (K [slots, k, d, l], V [slots, k, l, d]).
+
+    On the CPU a float32 cache goes to the native kernel (kernels/attend_body.inc) where it
+    was built: XLA's loops below cost a third of a decode step there. use_native: None
+    picks it where it applies; False forces the XLA loops (tests).
+    """
+    use_native = native.use_kernel(use_native, k_cache.dtype == F32 and q.dtype == F32, "attention")
+    args = (q, k, v, k_cache, v_cache, slots, positions)
+    if not use_native:
+        return _attend_rows_xla(cfg, *args)
+    return jax.lax.platform_dependent(*args, cpu=partial(_attend_rows_native, cfg),
+                                      default=partial(_attend_rows_xla, cfg))
+
+
+def _attend_rows_native(cfg, q, k, v, k_cache, v_cache, slots, positions):
+    b, nk, g, hd = q.shape[0], cfg.n_kv_heads, cfg.group_size, cfg.head_dim
+    call = jax.ffi.ffi_call(native.ATTEND_ROWS, jax.ShapeDtypeStruct((b, nk, g, hd), F32))
+    out = call(q.reshape(b, nk, g, hd), k, v, k_cache, v_cache, slots.astype(jnp.int32),
+               positions.astype(jnp.int32), scale=np.float32(hd**-0.5))
+    return out.reshape(b, -1)
+
+
+def _attend_rows_xla(cfg, q, k, v, k_cache, v_cache, slots, positions):
+    """attend_rows as XLA loops over rows, each slicing its own slot block by block: a
+    gather of all rows' histories at once ran 4x slower on XLA:CPU, which copies gathered
+    operands first."""
+    b = q.shape[0]
+    nk, g, hd = cfg.n_kv_heads, cfg.group_size, cfg.head_dim
+    q = q.reshape(b, nk, g, hd) * hd**-0.5
+    s_self = jnp.einsum("bkgd,bkd->bkg", q, k, preferred_element_type=F32)
+
+    def row(i, out):
+        def block(j, carry):
+            start, kb, vb = _history_block(k_cache, v_cache, slots[i], j)
+            s = jnp.einsum("kgd,kdl->kgl", q[i], kb, preferred_element_type=F32)
+            s = jnp.where(start + jnp.arange(ATTN_BLOCK) < positions[i], s, -jnp.inf)
+            return _online_update(carry, s, vb, "kgl,kld->kgd")
+
+        own = (s_self[i], jnp.ones((nk, g), F32), jnp.broadcast_to(v[i][:, None, :], (nk, g, hd)).astype(F32))
+        n_blocks = (positions[i] + ATTN_BLOCK - 1) // ATTN_BLOCK
+        _, l, acc = jax.lax.fori_loop(0, n_blocks, block, own)
+        return out.at[i].set((acc / l[..., None]).astype(v.dtype))
+
+    out = jax.lax.fori_loop(0, b, row, jnp.zeros((b, nk, g, hd), v.dtype), unroll=2)
+    return out.reshape(b, -1)
