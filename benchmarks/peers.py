@@ -14,7 +14,9 @@ rather than taking the run down; motet runs in this process through its Engine.
 What is measured per file (best of --repeats timed runs, after an untimed run of every
 scenario):
   peak RSS  each engine's process at its peak (motet: this process, with the Engine's KV
-            cache; llama.cpp: its child process, with its own)
+            cache; llama.cpp: its child process, with its own). Both caches hold float16 (each
+            engine's default for a quantized file) and the same positions a stream: llama.cpp's
+            cells per sequence are motet's max_context.
   single    greedy decode tokens/s after a short chat prompt: (generated - 1) / (time
             from the first token to the last), prefill excluded.
   streams   16 concurrent 256-token prompts, 128 greedy tokens each: tokens generated
@@ -142,14 +144,15 @@ async def motet_stream(engine, ids: list[int], max_tokens: int) -> dict:
             "stats_decode_tok_s": stats.decode_tokens_per_s}
 
 
-async def motet_runs(model, runs: list[Workload]) -> list[dict]:
-    """The first run is the untimed one that compiles every shape the others use."""
+async def motet_runs(model, runs: list[Workload], context: int) -> list[dict]:
+    """The first run is the untimed one that compiles every shape the others use.
+    context: positions a stream may use, as llama.cpp's cells per sequence."""
     import trio
 
     from motet.engine import Engine
 
     out = []
-    async with Engine(model=model, kv_slots=STREAMS, max_context=1024, prefill_chunk=256) as engine:
+    async with Engine(model=model, kv_slots=STREAMS, max_context=context, prefill_chunk=256) as engine:
         for w in runs:
             one = await motet_stream(engine, w.single, NEW_TOKENS)
             span = one["stamps"][-1] - one["stamps"][0]
@@ -182,15 +185,15 @@ async def motet_runs(model, runs: list[Workload]) -> list[dict]:
     return out
 
 
-def bare_step_ms(model, repeats: int = 30) -> float:
+def bare_step_ms(model, context: int, repeats: int = 30) -> float:
     """One row's decode step with nothing around it: the jitted step, its KV write and
     greedy sampling, the token read back to the host each step (as the engine must)."""
     from motet.model.generate import decode_padded
     from motet.model.kv import KVGeometry, init_kv
     from motet.model.sampling import sample
 
-    geo = KVGeometry(n_slots=STREAMS, max_context=1024, chunk=256)
-    kv = init_kv(model.config, geo)
+    geo = KVGeometry(n_slots=STREAMS, max_context=context, chunk=256)
+    kv = init_kv(model.config, geo, model.kv_dtype)
     temp, top_p, keys = np.zeros(1, np.float32), np.ones(1, np.float32), np.zeros((1, 2), np.uint32)
     token, best = 1, float("inf")
     for attempt in range(4):  # the first compiles
@@ -210,9 +213,11 @@ def motet_child_runs(job: dict) -> dict:
 
     model = load_model(job["model"])
     runs = [Workload(**w) for w in job["runs"]]
-    out = trio.run(motet_runs, model, runs)
+    context = job["n_ctx"] // STREAMS
+    out = trio.run(motet_runs, model, runs, context)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the bare step's own KV
-    return {"runs": out, "bare_step_ms": bare_step_ms(model), "peak_rss_mb": peak_mb}
+    return {"runs": out, "bare_step_ms": bare_step_ms(model, context), "peak_rss_mb": peak_mb,
+            "kv_dtype": model.kv_dtype, "context": context}
 
 
 # ---- llama.cpp (in a child process) ---------------------------------------------------

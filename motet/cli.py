@@ -27,6 +27,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=("int8", "int4"), default=None,
                    help="quantize the weights a checkpoint holds as floats (bf16/f32 safetensors, "
                         "F16/F32 GGUF) at load: weight-only, a scale per 32 values")
+    p.add_argument("--kv-dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
+                   help="the KV cache's element type (auto: float16 under quantized weights, as "
+                        "llama.cpp's cache; otherwise the weights' dtype)")
     p.add_argument("--max-context", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--compile-cache", type=Path,
                    default=Path(os.environ.get("MOTET_COMPILE_CACHE", DEFAULT_COMPILE_CACHE)),
@@ -167,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
 def model_settings(args) -> ModelSettings:
     cache = args.compile_cache if str(args.compile_cache) not in ("", ".") else None
     return ModelSettings(path=args.model, dtype=args.dtype, max_context=args.max_context, compile_cache=cache,
-                         mesh=args.mesh)
+                         mesh=args.mesh, kv_dtype=args.kv_dtype)
 
 
 def sampling_settings(args) -> SamplingSettings:
@@ -183,13 +186,14 @@ def open_model(settings: ModelSettings, lazy_experts: bool = False):
 
     log.info("loading %s", settings.path or "the default model (SmolLM2-135M-Instruct)")
     return load_model(settings.path, dtype=settings.dtype, max_context=settings.max_context,
-                      lazy_experts=lazy_experts and settings.mesh is None, mesh=settings.mesh)
+                      lazy_experts=lazy_experts and settings.mesh is None, mesh=settings.mesh,
+                      kv_dtype=settings.kv_dtype)
 
 
 def cmd_info(args) -> int:
     from .actors.warmup import WarmupPlan
     from .engine import PREFILL_CHUNK
-    from .model.kv import KVGeometry
+    from .model.kv import KVGeometry, kv_bytes_per_position
 
     from .model.loader import kernel_name
 
@@ -206,6 +210,9 @@ def cmd_info(args) -> int:
     print(f"bytes read per decode token: {info['decode_bytes'] / 1e6:.1f} MB of weights")
     context = min(args.max_context or 4096, model.config.max_context)
     geo = KVGeometry(n_slots=args.kv_slots, max_context=context, chunk=PREFILL_CHUNK)
+    per_position = kv_bytes_per_position(model.config, model.kv_dtype)
+    print(f"KV cache: {model.kv_dtype}, {per_position:,} bytes a position; {args.kv_slots} slots of {context} "
+          f"(and a scratch slot, {geo.length} positions each): {per_position * geo.length * (args.kv_slots + 1) / 1e6:.1f} MB")
     print(f"compiled before ready ({args.kv_slots} KV slots, context {context}, prefill chunks of "
           f"{PREFILL_CHUNK}; experts resident):")
     for line in WarmupPlan.of(geo).describe():
@@ -336,7 +343,7 @@ def cmd_mux(args, mirror=None) -> int:
     from .model import ModelError, ModelFileError, UnsupportedModelError, load_model
 
     try:
-        loaded = load_model(mux.model, dtype=args.dtype, mesh=args.mesh,
+        loaded = load_model(mux.model, dtype=args.dtype, mesh=args.mesh, kv_dtype=args.kv_dtype,
                             lazy_experts=mux.experts.mode != "resident" and args.mesh is None)
     except (ModelError, OSError, MemoryError) as exc:
         # An extension servers may read instead of READY; the reason also goes to stderr.

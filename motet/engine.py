@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from .actors.runner import ModelRunner
 from .actors.scheduler import Cancel, Drain, Scheduler, StopNow, Submit, Subscribe
 from .actors.warmup import StartupClock, WarmupPlan
 from .model.compilation import current_compile_cache
-from .model.kv import KVGeometry
+from .model.kv import KV_DTYPE_CHOICES, KVGeometry
 from .model.model import Model
 from .model.sharding import MeshSpec
 from .model.tiered import shared_weight_bytes
@@ -62,6 +63,7 @@ class Engine(Service, Collected):
         kv_slots: int = MAX_SLOTS,
         max_context: int = 4096,
         dtype: str = "auto",
+        kv_dtype: str = "auto",
         prefill_chunk: int = PREFILL_CHUNK,
         queue_limit: int = 64,
         experts: ExpertSettings | None = None,
@@ -73,6 +75,9 @@ class Engine(Service, Collected):
         """dtype: "auto" runs a quantized file's weights as it holds them; "float32" or
         "bfloat16" dequantizes every weight; "int8" or "int4" (the CLI's --quantize) is
         auto with the file's float tensors quantized at load.
+        kv_dtype: the KV cache's element type, "float32", "float16" or "bfloat16"; "auto":
+        float16 under quantized weights (as llama.cpp's cache), else the weights' dtype
+        (a Model passed in keeps the one it was loaded with).
         experts: where a MoE model's experts live (default: all on the device unless
         a budget says otherwise; see ExpertSettings). mesh: shard the model over several
         devices of this process, e.g. "ep=2,tp=2" (docs/scaling.md); experts stay resident.
@@ -84,12 +89,15 @@ class Engine(Service, Collected):
         False starts sooner and compiles on first use, while requests wait)."""
         if not 1 <= kv_slots <= MAX_SLOTS:
             raise ValueError(f"kv_slots must be in [1, {MAX_SLOTS}], got {kv_slots}")
+        if kv_dtype not in KV_DTYPE_CHOICES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPE_CHOICES)}, got {kv_dtype!r}")
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk must be a power of two >= 16, got {prefill_chunk}")
         self._model_arg = model
         self.kv_slots = kv_slots
         self.max_context = max_context
         self.dtype = dtype
+        self.kv_dtype = kv_dtype
         self.prefill_chunk = prefill_chunk
         self.queue_limit = queue_limit
         self.expert_settings = experts or ExpertSettings()
@@ -182,14 +190,17 @@ class Engine(Service, Collected):
 
     def _load(self) -> Model:
         if isinstance(self._model_arg, Model):
-            return self._model_arg
+            if self.kv_dtype == "auto":
+                return self._model_arg
+            return replace(self._model_arg, kv_dtype=self.kv_dtype)
         from .model.loader import load_model
 
         started = time.monotonic()
         log.info("loading %s", self._model_arg or "the default model")
         # Unless forced resident, the experts stay in the file until the plan is known.
         lazy = self.expert_settings.mode != "resident" and self.mesh is None
-        model = load_model(self._model_arg, dtype=self.dtype, lazy_experts=lazy, mesh=self.mesh)
+        model = load_model(self._model_arg, dtype=self.dtype, lazy_experts=lazy, mesh=self.mesh,
+                           kv_dtype=self.kv_dtype)
         log.info("model ready in %.1f s", time.monotonic() - started)
         return model
 

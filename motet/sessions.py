@@ -39,7 +39,7 @@ def session_header(model: Model, max_context: int) -> SessionHeader:
     cfg = model.config
     return SessionHeader(
         model=model_fingerprint(model), engine_version=__version__,
-        dtype=str(np.dtype(model.weights["lm_head"].dtype)), layers=cfg.n_layers,
+        dtype=model.kv_dtype, layers=cfg.n_layers,
         kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, k_layout=KV_LAYOUT, v_layout=KV_LAYOUT,
         max_context=max_context, rope_theta=cfg.rope_theta, rope_scaling="",
         settings={"backend": jax.default_backend(), "weights": model.weight_format},

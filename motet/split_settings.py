@@ -12,7 +12,8 @@ sentence that says why. SplitEngine (split.py) runs them.
                                  environment ("RAM_GB=8") or "--flag[=value]" for its command
                                  line ("--experts=tiered"). What a session file must match
                                  (SNAP/--model, CTX/--max-context, KV_SLOTS/--kv-slots,
-                                 --dtype, JAX_PLATFORMS) may be given only alike in both.
+                                 --dtype, --kv-dtype, JAX_PLATFORMS) may be given only alike
+                                 in both.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ MUST_MATCH = (
     ("the number of KV slots", "KV_SLOTS", "--kv-slots"),
     ("the weights' dtype", None, "--dtype"),
     ("the weights' quantization", None, "--quantize"),
+    ("the KV cache's dtype", None, "--kv-dtype"),
     ("the JAX backend", "JAX_PLATFORMS", None),
 )
 SET_BY_SPLIT = {  # per-role entries the split sets itself: why they cannot be given
@@ -54,7 +56,7 @@ SET_BY_SPLIT = {  # per-role entries the split sets itself: why they cannot be g
 }
 ROLE_FLAGS = ("--experts", "--device-gb", "--ram-gb", "--heat-file", "--expert-policy", "--no-prefetch",
               "--compile-cache", "--model", "--max-context", "--kv-slots", "--dtype",
-              "--quantize")
+              "--quantize", "--kv-dtype")
 
 
 class SplitConfigError(ValueError):

@@ -281,7 +281,8 @@ def error_msg(exc: Exception) -> Msg:
 def run_worker(args, compile_cache: Path | None) -> int:
     settings = WorkerSettings(role=args.role, listen=args.listen, request_wait=args.request_wait,
                               prefill=args.prefill)
-    engine = dict(kv_slots=args.kv_slots, max_context=args.max_context or 4096, dtype=args.dtype, mesh=args.mesh,
+    engine = dict(kv_slots=args.kv_slots, max_context=args.max_context or 4096, dtype=args.dtype,
+                  kv_dtype=args.kv_dtype, mesh=args.mesh,
                   compile_cache=compile_cache, warm_up=args.warm_up)
     try:
         with sole_error():

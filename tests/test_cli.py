@@ -32,6 +32,13 @@ def test_info_describes_the_default_model(default_model_file):
     assert rows["experts"] == "0"
     assert 130_000_000 < int(rows["parameters"]) < 140_000_000
     assert rows["path"].endswith(".gguf")
+    assert rows["weights"] == "quantized" and rows["kv_dtype"] == "float16"  # llama.cpp's cache type
+    # 30 layers, K and V, 3 KV heads of 64, two bytes each
+    assert "KV cache: float16, 23,040 bytes a position" in result.stdout
+    float32 = motet("info", "--dtype", "float32")
+    assert "KV cache: float32, 46,080 bytes a position" in float32.stdout
+    chosen = motet("info", "--kv-dtype", "bfloat16")
+    assert "KV cache: bfloat16, 23,040 bytes a position" in chosen.stdout
 
 
 def test_info_tiny_moe():

@@ -192,6 +192,18 @@ def test_errors_share_a_base_class():
     assert issubclass(ContextLengthError, ModelError)
 
 
+def test_an_unknown_kv_dtype_is_refused_with_the_choices():
+    from motet.engine import Engine
+    from motet.runtime.config import ModelSettings
+
+    with pytest.raises(UnsupportedModelError, match="unsupported KV dtype 'int3'; choose one of auto, float32"):
+        load_model(GOLDEN / "llama", kv_dtype="int3")
+    with pytest.raises(ValueError, match="kv_dtype must be one of auto, float32, float16, bfloat16, got 'fp8'"):
+        Engine(kv_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_dtype must be auto, float32, float16 or bfloat16"):
+        ModelSettings(kv_dtype="float64")
+
+
 def test_prompt_longer_than_the_context(tiny_model):
     model = tiny_model("llama")
     prompt = list(range(3, 40))

@@ -103,6 +103,29 @@ async def test_a_mismatched_or_damaged_file_is_refused_and_the_slot_keeps_its_kv
             assert restored.tokens == saved.tokens
 
 
+async def test_a_float16_cache_round_trips_and_a_float32_engine_refuses_it(llama, tmp_path):
+    """The header names the KV's element type: a float16 cache's file restores into a
+    float16 engine (the same answer as never leaving) and is refused by a float32 one."""
+    path = tmp_path / "s.session"
+    with trio.fail_after(TIMEOUT):
+        async with Engine(llama, kv_dtype="float16", **TINY) as engine:
+            assert engine.session_header.dtype == "float16"
+            first = await engine.complete(PROMPT, max_tokens=8, slot=0)
+            saved = await engine.save_slot(0, path)
+            turn2 = PROMPT + first.token_ids + (7, 8, 9)
+            expected = await engine.complete(turn2, max_tokens=8, slot=0)
+        # tokens, header and two bytes a value: K and V of every layer
+        cfg = llama.config
+        assert saved.bytes > 2 * 2 * cfg.n_layers * saved.tokens * cfg.n_kv_heads * cfg.head_dim
+        async with Engine(llama, kv_dtype="float16", **TINY) as engine:
+            await engine.restore_slot(3, path)
+            got = await engine.complete(turn2, max_tokens=8, slot=3)
+        assert got.stats.reused_tokens == saved.tokens and got.token_ids == expected.token_ids
+        async with Engine(llama, kv_dtype="float32", **TINY) as engine:
+            with pytest.raises(SessionError, match="dtype"):
+                await engine.restore_slot(3, path)
+
+
 async def test_a_slot_in_use_cannot_be_saved_and_a_held_slot_refuses_requests(llama, tmp_path):
     with trio.fail_after(TIMEOUT):
         async with Engine(llama, **TINY) as engine:

@@ -119,7 +119,7 @@ class ModelRunner:
         self.mirror = mirror
         self._mirror(Op.START, geo.n_slots, geo.max_context, geo.chunk, fingerprint(model))
         dtype = model.weights["lm_head"].dtype
-        self.kv = init_kv(cfg, geo, dtype, model_kv_sharding(model))
+        self.kv = init_kv(cfg, geo, model.kv_dtype, model_kv_sharding(model))
         # Seconds spent sampling so far: the scheduler splits a step's time with it.
         self.sample_seconds = 0.0
         self.shared_bytes = shared_weight_bytes(model.weights)
@@ -339,10 +339,10 @@ def shared_model_weights(weights: dict) -> dict:
 
 def fingerprint(model: Model) -> str:
     """What the processes of a group must have loaded alike: the model's geometry, its
-    dtype and the mesh its weights are on."""
+    dtypes (weights and KV) and the mesh its weights are on."""
     mesh = mesh_of(model.weights)
     what = (model.config, str(model.weights["lm_head"].dtype), None if mesh is None else dict(mesh.shape),
-            model.weight_format)
+            model.weight_format, model.kv_dtype)
     return hashlib.sha256(repr(what).encode()).hexdigest()[:16]
 
 

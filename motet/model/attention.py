@@ -17,11 +17,17 @@ import numpy as np
 from . import native
 
 F32 = jnp.float32
+# What the native kernels read a cache in: float32, or 16-bit floats widened as read.
+NATIVE_CACHE_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 
 
 # Cached history is read in blocks of this many positions, as many as a row needs: the
 # loop's trip count is data, so one compiled step serves every context length.
 ATTN_BLOCK = 256
+
+
+def _native_cache(k_cache) -> bool:
+    return any(k_cache.dtype == t for t in NATIVE_CACHE_DTYPES)
 
 
 def _history_block(k_cache, v_cache, slot, j):
@@ -33,14 +39,15 @@ def _history_block(k_cache, v_cache, slot, j):
     return start, kb, vb
 
 
-def _online_update(carry, s, vb, spec):
+def _online_update(carry, s, vb, spec, dtype):
     """Fold one block of scores s [..., l] and values into a running softmax
-    (max m, normaliser l, weighted sum acc), flash-attention style."""
+    (max m, normaliser l, weighted sum acc), flash-attention style. The weights meet the
+    values in the queries' dtype (a 16-bit cache under float32 queries is widened)."""
     m, l, acc = carry
     m_new = jnp.maximum(m, s.max(-1))
     p = jnp.exp(s - m_new[..., None])
     corr = jnp.exp(m - m_new)
-    acc = acc * corr[..., None] + jnp.einsum(spec, p.astype(vb.dtype), vb, preferred_element_type=F32)
+    acc = acc * corr[..., None] + jnp.einsum(spec, p.astype(dtype), vb.astype(dtype), preferred_element_type=F32)
     return m_new, l * corr + p.sum(-1), acc
 
 
@@ -51,7 +58,7 @@ def attend_chunk(cfg, q, k, v, k_cache, v_cache, slot, offset, use_native: bool 
     On the CPU, float32 operands go to the native kernel where it was built (XLA's dots,
     mask, softmax and copies here took a third of a prefill); use_native as attend_rows.
     """
-    floats = q.dtype == F32 and (k_cache is None or k_cache.dtype == F32)
+    floats = q.dtype == F32 and (k_cache is None or _native_cache(k_cache))
     use_native = native.use_kernel(use_native, floats, "attention")
     if not use_native:
         return _attend_chunk_xla(cfg, q, k, v, k_cache, v_cache, slot, offset)
@@ -90,7 +97,7 @@ def _attend_chunk_xla(cfg, q, k, v, k_cache, v_cache, slot, offset):
             start, kb, vb = _history_block(k_cache, v_cache, slot, j)
             s = jnp.einsum("kgtd,kdl->kgtl", q, kb, preferred_element_type=F32)
             s = jnp.where(start + jnp.arange(ATTN_BLOCK) < offset, s, -jnp.inf)
-            return _online_update(carry, s, vb, "kgtl,kld->kgtd")
+            return _online_update(carry, s, vb, "kgtl,kld->kgtd", v.dtype)
 
         carry = jax.lax.fori_loop(0, (offset + ATTN_BLOCK - 1) // ATTN_BLOCK, block, carry)
     _, l, acc = carry
@@ -102,11 +109,12 @@ def attend_rows(cfg, q, k, v, k_cache, v_cache, slots, positions, use_native: bo
     """One new token per row b, at positions[b] of slot slots[b], over that slot's cached
     positions < positions[b] (K [slots, k, d, l], V [slots, k, l, d]).
 
-    On the CPU a float32 cache goes to the native kernel (kernels/attend_body.inc) where it
-    was built: XLA's loops below cost a third of a decode step there. use_native: None
-    picks it where it applies; False forces the XLA loops (tests).
+    On the CPU, float32 queries over a float32 or 16-bit cache go to the native kernel
+    (kernels/attend_body.inc) where it was built: XLA's loops below cost a third of a
+    decode step there. use_native: None picks it where it applies; False forces the XLA
+    loops (tests).
     """
-    use_native = native.use_kernel(use_native, k_cache.dtype == F32 and q.dtype == F32, "attention")
+    use_native = native.use_kernel(use_native, _native_cache(k_cache) and q.dtype == F32, "attention")
     args = (q, k, v, k_cache, v_cache, slots, positions)
     if not use_native:
         return _attend_rows_xla(cfg, *args)
@@ -136,7 +144,7 @@ def _attend_rows_xla(cfg, q, k, v, k_cache, v_cache, slots, positions):
             start, kb, vb = _history_block(k_cache, v_cache, slots[i], j)
             s = jnp.einsum("kgd,kdl->kgl", q[i], kb, preferred_element_type=F32)
             s = jnp.where(start + jnp.arange(ATTN_BLOCK) < positions[i], s, -jnp.inf)
-            return _online_update(carry, s, vb, "kgl,kld->kgd")
+            return _online_update(carry, s, vb, "kgl,kld->kgd", v.dtype)
 
         own = (s_self[i], jnp.ones((nk, g), F32), jnp.broadcast_to(v[i][:, None, :], (nk, g, hd)).astype(F32))
         n_blocks = (positions[i] + ATTN_BLOCK - 1) // ATTN_BLOCK

@@ -111,7 +111,7 @@ def generate(model: Model, prompt_ids: Sequence[int], *, max_tokens: int, temper
     if len(prompt_ids) >= limit:
         raise ContextLengthError(len(prompt_ids), limit)
     geo = KVGeometry(n_slots=1, max_context=limit, chunk=chunk)
-    kv = init_kv(model.config, geo, model.weights["lm_head"].dtype, model_kv_sharding(model))
+    kv = init_kv(model.config, geo, model.kv_dtype, model_kv_sharding(model))
     logits, kv = prefill_slot(model, kv, geo, 0, prompt_ids, 0)
     logits = logits[None]
     key = request_key(seed)[None]

@@ -80,6 +80,27 @@ def _powers_up_to(n: int) -> list[int]:
     return [1 << i for i in range(n.bit_length()) if 1 << i < n] + [n]
 
 
+# What a KV cache may hold. "auto" (pick_kv_dtype): float16 under quantized weights, as
+# llama.cpp's cache: half float32's bytes, and the native attention widens it as it reads.
+KV_DTYPES = ("float32", "float16", "bfloat16")
+KV_DTYPE_CHOICES = ("auto", *KV_DTYPES)
+
+
+def pick_kv_dtype(asked: str, weights_dtype: str, quantized: bool) -> str:
+    """The cache's element type: `asked`, or for "auto" float16 under quantized weights
+    and the weights' own dtype otherwise (--dtype float32 keeps the float32 path whole)."""
+    if asked not in KV_DTYPE_CHOICES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPE_CHOICES)}, got {asked!r}")
+    if asked != "auto":
+        return asked
+    return "float16" if quantized else weights_dtype
+
+
+def kv_bytes_per_position(cfg: ModelConfig, dtype: str) -> int:
+    """The bytes one position of one slot holds: K and V of every layer."""
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
 def init_kv(cfg: ModelConfig, geo: KVGeometry, dtype=jnp.float32, sharding=None):
     """Zeroed caches, per layer: K [slots + 1, kv_heads, head_dim, length] and
     V [slots + 1, kv_heads, length, head_dim] (see forward.py). sharding: where they

@@ -21,6 +21,7 @@ from .config import config_from_gguf, config_from_hf
 from .errors import ModelFileError, UnsupportedModelError
 from .expert_source import SourceExpertReader
 from .gguf_file import GGUF_MAGIC, GGUFSource, gguf_metadata, open_gguf
+from .kv import KV_DTYPE_CHOICES, pick_kv_dtype
 from .model import Model
 from .requantize import QUANTIZE_CHOICES, QuantizingSource
 from .safetensors_dir import SafetensorsSource
@@ -57,14 +58,19 @@ def default_model_path() -> Path:
 
 
 def load_model(path: str | Path | None = None, dtype: str = AUTO, max_context: int | None = None,
-               lazy_experts: bool = False, mesh: MeshSpec | str | Mesh | None = None) -> Model:
-    """lazy_experts: leave a MoE model's experts in the (mmapped) file, for a tiered
+               lazy_experts: bool = False, mesh: MeshSpec | str | Mesh | None = None,
+               kv_dtype: str = AUTO) -> Model:
+    """kv_dtype: the KV cache's element type (kv.KV_DTYPE_CHOICES; auto: float16 under
+    quantized weights, else the weights' dtype).
+lazy_experts: leave a MoE model's experts in the (mmapped) file, for a tiered
     expert pool to read one at a time; the model then has an `expert_reader`.
     mesh: shard the weights over several devices ("ep=4,tp=2", a MeshSpec or a Mesh with
     axes (ep, tp); see sharding.py), each leaf read into its shards directly; with
     lazy_experts only the shared weights (the pool is split over ep, not yet over tp)."""
     if dtype not in DTYPE_CHOICES:
         raise UnsupportedModelError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+    if kv_dtype not in KV_DTYPE_CHOICES:
+        raise UnsupportedModelError(f"unsupported KV dtype {kv_dtype!r}; choose one of {', '.join(KV_DTYPE_CHOICES)}")
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
         raise ModelFileError(f"{path}: no such file or directory")
@@ -92,13 +98,14 @@ def load_model(path: str | Path | None = None, dtype: str = AUTO, max_context: i
     weights = pack_weights(cfg, source, DTYPES.get(dtype, jnp.float32), experts=not lazy, mesh=mesh,
                            quantized=quantized)
     dtype = "float32" if dtype not in DTYPES else dtype
-    log.info("loaded %s (%s, %s%s%s%s) in %.1f s", path, cfg.arch, dtype,
+    kv_dtype = pick_kv_dtype(kv_dtype, dtype, is_quantized(weights))
+    log.info("loaded %s (%s, %s, a %s KV cache%s%s%s) in %.1f s", path, cfg.arch, dtype, kv_dtype,
              f", quantized weights on the {kernel_name()} path" if is_quantized(weights) else "",
              ", experts left in the file" if lazy else "",
              f", sharded over {dict(mesh.shape)}" if mesh is not None else "", time.monotonic() - started)
     reader = SourceExpertReader(cfg, source, quantized) if lazy else None
     return Model(config=cfg, weights=weights, tokenizer=tokenizer, path=path, dtype=dtype,
-                 expert_reader=reader)
+                 expert_reader=reader, kv_dtype=kv_dtype)
 
 
 def kernel_name() -> str:

@@ -27,6 +27,8 @@ class Model:
     # Set when the experts were left in the model file (load_model(lazy_experts=True)):
     # they are read one by one into a tiered ExpertPool, and `weights` has none.
     expert_reader: object | None = None
+    # The KV cache's element type (kv.KV_DTYPES); load_model picks it (kv.pick_kv_dtype).
+    kv_dtype: str = "float32"
 
     @property
     def experts_packed(self) -> bool:
@@ -95,6 +97,7 @@ class Model:
             "decode_bytes": decode_bytes(cfg, self.weights),
             "dtype": self.dtype,
             "weights": self.weight_format,
+            "kv_dtype": self.kv_dtype,
             "tensor_formats": weight_formats(self.weights),
         }
 

@@ -19,10 +19,14 @@ class ModelSettings:
     max_context: int | None = None  # None: the model's own
     compile_cache: Path | None = None  # JAX's persistent compilation cache
     mesh: str | None = None  # shard over devices, "ep=2,tp=2" (docs/scaling.md); None: one device
+    # the KV cache's element type; auto: float16 under quantized weights, else the weights'
+    kv_dtype: str = "auto"
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "bfloat16", "int8", "int4"):
             raise ValueError(f"dtype must be auto, float32, bfloat16, int8 or int4, got {self.dtype!r}")
+        if self.kv_dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"kv_dtype must be auto, float32, float16 or bfloat16, got {self.kv_dtype!r}")
         if self.max_context is not None and self.max_context < 16:
             raise ValueError(f"max_context must be at least 16, got {self.max_context}")
 

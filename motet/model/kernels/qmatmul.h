@@ -8,6 +8,10 @@ namespace motet_qmatmul {
 
 enum Kind : int { Q4 = 0, Q8 = 1 };
 
+// What a KV cache holds: float32, or 16-bit floats (IEEE half, as llama.cpp's cache, or
+// bfloat16), widened to float32 as they are read.
+enum Elem : int { F32 = 0, F16 = 1, BF16 = 2 };
+
 struct QWeights {
   int kind;               // Q4: two 4-bit values a byte; Q8: one int8 a byte
   int block;              // values per scale: 32 for Q4, 16 or 32 for Q8
@@ -35,8 +39,9 @@ struct Attention {
   const float* q;           // [rows, kv_heads, group, head_dim]
   const float* k_new;       // [rows, kv_heads, head_dim]
   const float* v_new;       // [rows, kv_heads, head_dim]
-  const float* k_cache;     // [slots, kv_heads, head_dim, capacity]
-  const float* v_cache;     // [slots, kv_heads, capacity, head_dim]
+  const void* k_cache;      // [slots, kv_heads, head_dim, capacity] of cache_elem
+  const void* v_cache;      // [slots, kv_heads, capacity, head_dim] of cache_elem
+  int cache_elem;
   const int32_t* slot;      // [rows]
   const int32_t* position;  // [rows]
   float* out;               // [rows, kv_heads, group, head_dim]
@@ -80,8 +85,9 @@ struct ChunkAttention {
   const float* q;        // [tokens, kv_heads, group, head_dim]
   const float* k_chunk;  // [kv_heads, head_dim, tokens]: transposed, as the cache keeps K
   const float* v_chunk;  // [kv_heads, tokens, head_dim]
-  const float* k_cache;  // as Attention's, or null
-  const float* v_cache;
+  const void* k_cache;   // as Attention's, or null
+  const void* v_cache;
+  int cache_elem;
   int64_t slot, offset;
   float* out;            // [tokens, kv_heads, group, head_dim]
 };

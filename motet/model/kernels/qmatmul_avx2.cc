@@ -32,6 +32,9 @@ inline vf q8_dot16(const uint8_t* p, const int16_t* x) {
   const __m256i q = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return (vf)_mm256_cvtepi32_ps(_mm256_madd_epi16(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))));
 }
+inline vf halves(const uint16_t* p) {
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 }  // namespace
 }  // namespace motet_qmatmul::avx2
 #define MOTET_VF motet_qmatmul::avx2::vf

@@ -30,6 +30,9 @@ inline vf q8_dot16(const uint8_t* p, const int16_t* x) {
   const __m256i sums = _mm256_madd_epi16(q, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
   return (vf)_mm512_cvtepi32_ps(_mm512_zextsi256_si512(sums));
 }
+inline vf halves(const uint16_t* p) {
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 }  // namespace
 }  // namespace motet_qmatmul::avx512
 #define MOTET_VF motet_qmatmul::avx512::vf

@@ -30,6 +30,11 @@ inline vf q8_dot16(const uint8_t* p, const int16_t* x) {
   v[0] = static_cast<float>(sum);
   return v;
 }
+inline vf halves(const uint16_t* p) {
+  vf v;
+  for (int i = 0; i < VW; ++i) v[i] = half_to_float(p[i]);
+  return v;
+}
 }  // namespace
 }  // namespace motet_qmatmul::base
 #define MOTET_VF motet_qmatmul::base::vf

@@ -161,10 +161,21 @@ ffi::Error MoeExperts(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::Buf
   return ffi::Error::Success();
 }
 
+// The caches' element type (qmatmul.h's Elem), or -1 where K and V differ or it is none.
+int cache_elem(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v) {
+  if (k.element_type() != v.element_type()) return -1;
+  switch (k.element_type()) {
+    case ffi::DataType::F32: return motet_qmatmul::F32;
+    case ffi::DataType::F16: return motet_qmatmul::F16;
+    case ffi::DataType::BF16: return motet_qmatmul::BF16;
+    default: return -1;
+  }
+}
+
 // Decode attention (qmatmul.h's Attention): q [rows, kv_heads, group, head_dim], the
 // rows' new K and V [rows, kv_heads, head_dim], the caches, slots and positions [rows].
 ffi::Error AttendRows(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
-                      ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+                      ffi::Buffer<ffi::F32> v_new, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                       ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> positions,
                       ffi::ResultBuffer<ffi::F32> out, float scale) {
   const auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions();
@@ -177,9 +188,11 @@ ffi::Error AttendRows(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buf
       positions.element_count() != slots.element_count() || out->element_count() != q.element_count() ||
       cached < 1)
     return ffi::Error::InvalidArgument("attend_rows: shapes do not agree");
+  const int elem = cache_elem(k_cache, v_cache);
+  if (elem < 0) return ffi::Error::InvalidArgument("attend_rows: the caches are not both float32, float16 or bfloat16");
   const motet_qmatmul::Attention a{rows, heads, group, hd, cached, capacity, scale,
                                    q.typed_data(), k_new.typed_data(), v_new.typed_data(),
-                                   k_cache.typed_data(), v_cache.typed_data(), slots.typed_data(),
+                                   k_cache.untyped_data(), v_cache.untyped_data(), elem, slots.typed_data(),
                                    positions.typed_data(), out->typed_data()};
   chosen().attend(a, motet_qmatmul::Parallel{&threads, for_each_on_pool});
   return ffi::Error::Success();
@@ -189,7 +202,7 @@ ffi::Error AttendRows(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buf
 // the chunk's K [kv_heads, head_dim, tokens] and V [kv_heads, tokens, head_dim], the
 // caches (read where has_history), slot and offset (one int32 each).
 ffi::Error AttendChunk(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_chunk,
-                       ffi::Buffer<ffi::F32> v_chunk, ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+                       ffi::Buffer<ffi::F32> v_chunk, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                        ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> offset, ffi::ResultBuffer<ffi::F32> out,
                        float scale, int64_t has_history) {
   const auto qd = q.dimensions(), kd = k_chunk.dimensions(), vd = v_chunk.dimensions();
@@ -202,10 +215,12 @@ ffi::Error AttendChunk(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Bu
       (has_history && (cd[0] < 1 || cd[1] != heads || cd[2] != hd || cv[0] != cd[0] || cv[1] != heads ||
                        cv[2] != cd[3] || cv[3] != hd)))
     return ffi::Error::InvalidArgument("attend_chunk: shapes do not agree");
+  const int elem = cache_elem(k_cache, v_cache);
+  if (elem < 0) return ffi::Error::InvalidArgument("attend_chunk: the caches are not both float32, float16 or bfloat16");
   const motet_qmatmul::ChunkAttention a{t, heads, group, hd, cd[0], cd[3], scale,
                                         q.typed_data(), k_chunk.typed_data(), v_chunk.typed_data(),
-                                        has_history ? k_cache.typed_data() : nullptr,
-                                        has_history ? v_cache.typed_data() : nullptr,
+                                        has_history ? k_cache.untyped_data() : nullptr,
+                                        has_history ? v_cache.untyped_data() : nullptr, elem,
                                         slot.typed_data()[0], offset.typed_data()[0], out->typed_data()};
   chosen().attend_chunk(a, motet_qmatmul::Parallel{&threads, for_each_on_pool});
   return ffi::Error::Success();
@@ -244,8 +259,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetAttendRows, AttendRows,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
@@ -277,8 +292,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetAttendChunk, AttendChunk,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
