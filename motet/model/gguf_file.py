@@ -10,6 +10,7 @@ import numpy as np
 
 from .errors import ModelFileError, UnsupportedModelError
 from .gguf_quants import REPACK
+from .mapped_file import release_pages
 from .quant import QTensor, pick_rows
 
 GGUF_MAGIC = b"GGUF"
@@ -139,6 +140,11 @@ class GGUFSource:
                 self.tensors[canon] = tensor
         # (query heads, KV heads) when Q/K rows were permuted by llama.cpp's converter
         self.permuted_rope_heads = permuted_rope_heads
+        self._map = reader.data  # the whole file, mapped read-only
+
+    def release_pages(self) -> None:
+        """The file's pages out of this process's resident set (mapped_file.py)."""
+        release_pages(self._map)
 
     def has(self, name: str) -> bool:
         return name in self.tensors

@@ -97,6 +97,7 @@ lazy_experts: leave a MoE model's experts in the (mmapped) file, for a tiered
     quantized = dtype in (AUTO, *QUANTIZE_CHOICES) and mesh is None
     weights = pack_weights(cfg, source, DTYPES.get(dtype, jnp.float32), experts=not lazy, mesh=mesh,
                            quantized=quantized)
+    source.release_pages()  # the weights are built: the file's pages need not stay resident
     dtype = "float32" if dtype not in DTYPES else dtype
     kv_dtype = pick_kv_dtype(kv_dtype, dtype, is_quantized(weights))
     log.info("loaded %s (%s, %s, a %s KV cache%s%s%s) in %.1f s", path, cfg.arch, dtype, kv_dtype,

@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from .errors import ModelFileError
+from .mapped_file import release_pages
 
 _DTYPES = {
     "F32": np.float32,
@@ -74,6 +75,9 @@ class SafetensorsFile:
             raise ModelFileError(f"{self.path}: tensor {name!r} size does not match its shape {shape}")
         return raw.view(dtype).reshape(shape)
 
+    def release_pages(self) -> None:
+        release_pages(self._map)
+
 
 # Hugging Face tensor names → canonical names (see weights.py). Per-expert names carry
 # the expert index; they are stacked into `experts.*` by the source below.
@@ -106,6 +110,11 @@ def canonical_hf_name(name: str) -> str | None:
 
 class SafetensorsSource:
     """Canonical name → float32 array, read lazily from one or more shards."""
+
+    def release_pages(self) -> None:
+        """Every shard's pages out of this process's resident set (mapped_file.py)."""
+        for shard in {id(st): st for st, _ in self.files.values()}.values():
+            shard.release_pages()
 
     def __init__(self, model_dir: Path):
         self.path = model_dir
