@@ -58,6 +58,17 @@ def test_every_gguf_type_repacks_to_the_values_gguf_reads(kind):
     np.testing.assert_array_equal(dequantize_host(packed), gguf.quants.dequantize(raw, Q[kind]))
     # the jitted dequantization reads the same values
     np.testing.assert_array_equal(np.asarray(dequantize(jax.device_put(packed))), dequantize_host(packed))
+    # the simple types keep the file's f16 scales; a K type's scale times its 6-bit
+    # integer needs float32
+    assert packed.scale.dtype == (np.float16 if kind in ("Q4_0", "Q4_1", "Q8_0") else np.float32)
+
+
+def test_q4_0_mins_that_would_overflow_f16_fall_back_to_float32():
+    raw = random_blocks("Q4_0", 2, 64)
+    raw[0, 0:2] = np.array([10000.0], np.float16).view(np.uint8)  # -8 · d is past f16's range
+    packed = REPACK["Q4_0"](raw)
+    assert packed.scale.dtype == packed.min.dtype == np.float32
+    np.testing.assert_array_equal(dequantize_host(packed), gguf.quants.dequantize(raw, Q.Q4_0))
 
 
 def test_stacking_different_layouts_keeps_every_value():
@@ -78,7 +89,10 @@ def test_the_native_kernel_is_built_where_a_compiler_is():
 
 
 def layouts():
+    """Each layout with float16 scales (Q4_1, Q8_0, Q4_0) and float32 ones (the K types)."""
     yield REPACK["Q4_1"](random_blocks("Q4_1", 70, 576, seed=1))
+    yield REPACK["Q4_0"](random_blocks("Q4_0", 65, 256, seed=7))
+    yield REPACK["Q4_K"](random_blocks("Q4_K", 66, 512, seed=8))
     yield REPACK["Q8_0"](random_blocks("Q8_0", 33, 576, seed=2))
     yield REPACK["Q6_K"](random_blocks("Q6_K", 40, 512, seed=3))
     yield REPACK["Q5_K"](random_blocks("Q5_K", 9, 256, seed=4))
@@ -115,7 +129,7 @@ def test_the_kernel_equals_the_xla_path(isa):
 
 
 @pytest.mark.skipif(not native.available(), reason="the native kernel was not built")
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_K"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_K", "Q4_1", "Q8_0"])
 def test_one_matrix_of_a_stack_is_read_in_place_and_equals_it_alone(kind):
     """An expert of a stack [E, N, K], picked by a traced index: the kernel (reading the
     stack in place), the XLA path (slicing it) and the matrix alone agree; an index

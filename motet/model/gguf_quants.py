@@ -3,7 +3,9 @@
 Each function takes a tensor's raw bytes as uint8 [rows, bytes per row] and returns a
 host QTensor [rows, columns]. The block formats are ggml's (see its `block_q4_K` and
 friends): every scale is an f16, or an f16 times a small integer, so float32 holds it
-exactly, and every value is a small integer, so int8 or a nibble holds it exactly.
+exactly, and every value is a small integer, so int8 or a nibble holds it exactly. The
+simple types keep their f16 scales as they are (a 4-bit layout's float32 scale and min
+would add a fifth to its bytes); the K types' products of two need float32.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ def _f16(raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
 
 
+def _halves(raw: np.ndarray) -> np.ndarray:
+    """Two bytes per row → the f16 they hold [n]."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0]
+
+
 def _blocks(raw: np.ndarray, size: int) -> np.ndarray:
     rows, row_bytes = raw.shape
     return raw.reshape(rows, row_bytes // size, size)
@@ -33,20 +40,25 @@ def _nibble_pairs(values: np.ndarray) -> np.ndarray:
 
 def q4_0(raw: np.ndarray) -> QTensor:
     b = _blocks(raw, 2 + QK // 2)
-    d = _f16(b[..., 0:2])
-    return QTensor(np.ascontiguousarray(b[..., 2:]).reshape(len(raw), -1), d, -8 * d, "q4", QK, "Q4_0")
+    d = _halves(b[..., 0:2])
+    with np.errstate(over="ignore"):
+        mins = -8 * d  # exact in f16 (a power of two), unless it overflows
+    if not np.isfinite(mins[np.isfinite(d)]).all():
+        d = d.astype(np.float32)
+        mins = -8 * d
+    return QTensor(np.ascontiguousarray(b[..., 2:]).reshape(len(raw), -1), d, mins, "q4", QK, "Q4_0")
 
 
 def q4_1(raw: np.ndarray) -> QTensor:
     b = _blocks(raw, 4 + QK // 2)
-    return QTensor(np.ascontiguousarray(b[..., 4:]).reshape(len(raw), -1), _f16(b[..., 0:2]),
-                   _f16(b[..., 2:4]), "q4", QK, "Q4_1")
+    return QTensor(np.ascontiguousarray(b[..., 4:]).reshape(len(raw), -1), _halves(b[..., 0:2]),
+                   _halves(b[..., 2:4]), "q4", QK, "Q4_1")
 
 
 def q8_0(raw: np.ndarray) -> QTensor:
     b = _blocks(raw, 2 + QK)
     values = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(len(raw), -1)
-    return QTensor(values, _f16(b[..., 0:2]), None, "q8", QK, "Q8_0")
+    return QTensor(values, _halves(b[..., 0:2]), None, "q8", QK, "Q8_0")
 
 
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -6,8 +6,9 @@ them), kept as one of two layouts:
   q4  values uint8 [..., N, K/2]: in each block of 32, byte i holds value i in its low
       nibble and value i + 16 in its high one; block 32
   q8  values int8 [..., N, K]; block 16 or 32
-with scale float32 [..., N, K/block] and, where the format has one, min likewise: a
-weight is q · scale + min. Every GGUF type motet reads repacks into one of these
+with scale [..., N, K/block] and, where the format has one, min likewise: a weight is
+q · scale + min. Scales and mins are float32, or float16 where the file's are (Q4_0,
+Q4_1, Q8_0: exact, and a 4-bit layout a sixth smaller). Every GGUF type motet reads repacks into one of these
 exactly (gguf_quants.py), so no value of the file changes.
 
 `matmul(x, w)` takes a QTensor or a plain [K, N] array. On the CPU a QTensor goes to

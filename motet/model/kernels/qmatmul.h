@@ -19,6 +19,11 @@ struct QWeights {
   const uint8_t* values;  // Q4 [n, k/2] (byte i of a block: value i low, i+16 high); Q8 [n, k]
   const float* scale;     // [n, k/block]
   const float* min;       // [n, k/block], or null for none
+  // In place of scale and min where a file's are IEEE halves (Q4_0, Q4_1, Q8_0), which
+  // cost a sixth of a 4-bit layout's bytes less than floats: each unit of work widens its
+  // own rows' (row_range in qmatmul_body.inc), so the loops read floats either way.
+  const uint16_t* half_scale;
+  const uint16_t* half_min;
 };
 
 // Runs task(arg, unit) once for every unit in [0, units), on as many threads as it has,
@@ -57,9 +62,12 @@ struct QStack {
   QWeights matrix(int64_t e) const {
     const int64_t row_bytes = first.kind == Q4 ? first.k / 2 : first.k, blocks = first.k / first.block;
     QWeights w = first;
+    const int64_t scales = e * first.n * blocks;
     w.values += e * first.n * row_bytes;
-    w.scale += e * first.n * blocks;
-    if (w.min) w.min += e * first.n * blocks;
+    if (w.scale) w.scale += scales;
+    if (w.min) w.min += scales;
+    if (w.half_scale) w.half_scale += scales;
+    if (w.half_min) w.half_min += scales;
     return w;
   }
 };

@@ -73,10 +73,31 @@ void for_each_on_pool(void* pool, int64_t units, motet_qmatmul::Task task, void*
     if (spins > 1000) std::this_thread::yield();
 }
 
+// Where a matrix's scales (or mins) start, `offset` elements into their buffer: floats,
+// or a file's IEEE halves. False for any other element type.
+bool scales_at(const ffi::AnyBuffer& b, int64_t offset, const float*& floats, const uint16_t*& halves) {
+  floats = nullptr;
+  halves = nullptr;
+  if (b.element_type() == ffi::DataType::F32) floats = static_cast<const float*>(b.untyped_data()) + offset;
+  else if (b.element_type() == ffi::DataType::F16) halves = static_cast<const uint16_t*>(b.untyped_data()) + offset;
+  else return false;
+  return true;
+}
+
+// A matrix's scales and mins (none unless has_min) into w, or false.
+bool set_scales(QWeights& w, const ffi::AnyBuffer& scale, const ffi::AnyBuffer& mins, int64_t has_min,
+                int64_t offset) {
+  if (!scales_at(scale, offset, w.scale, w.half_scale)) return false;
+  if (has_min) return scales_at(mins, offset, w.min, w.half_min);
+  w.min = nullptr;
+  w.half_min = nullptr;
+  return true;
+}
+
 // x [..., k] times the matrix of a stack [stack, n, row bytes] at `index` (0 for one
 // matrix): the kernels read it in place, so an expert of a stack is never copied out.
 ffi::Error Product(ffi::ThreadPool& threads, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& values,
-                   ffi::Buffer<ffi::F32>& scale, ffi::Buffer<ffi::F32>& mins, ffi::ResultBuffer<ffi::F32>& out,
+                   ffi::AnyBuffer& scale, ffi::AnyBuffer& mins, ffi::ResultBuffer<ffi::F32>& out,
                    int64_t kind, int64_t block, int64_t has_min, int64_t index) {
   const auto xd = x.dimensions();
   const auto vd = values.dimensions();
@@ -92,24 +113,24 @@ ffi::Error Product(ffi::ThreadPool& threads, ffi::Buffer<ffi::F32>& x, ffi::AnyB
       static_cast<int64_t>(out->element_count()) != m * n)
     return ffi::Error::InvalidArgument("qmatmul: shapes do not agree");
   index = std::clamp<int64_t>(index, 0, stack - 1);  // as XLA clamps a dynamic slice
-  const QWeights w{static_cast<int>(kind), static_cast<int>(block), n, k,
-                   static_cast<const uint8_t*>(values.untyped_data()) + index * n * row_bytes,
-                   scale.typed_data() + index * n * blocks,
-                   has_min ? mins.typed_data() + index * n * blocks : nullptr};
+  QWeights w{static_cast<int>(kind), static_cast<int>(block), n, k,
+             static_cast<const uint8_t*>(values.untyped_data()) + index * n * row_bytes};
+  if (!set_scales(w, scale, mins, has_min, index * n * blocks))
+    return ffi::Error::InvalidArgument("qmatmul: scales and mins must be float32 or float16");
   const motet_qmatmul::Parallel parallel{&threads, for_each_on_pool};
   chosen().impl(w, x.typed_data(), m, out->typed_data(), parallel);
   return ffi::Error::Success();
 }
 
-ffi::Error QMatmul(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::Buffer<ffi::F32> scale,
-                   ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> out, int64_t kind,
+ffi::Error QMatmul(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::AnyBuffer scale,
+                   ffi::AnyBuffer mins, ffi::ResultBuffer<ffi::F32> out, int64_t kind,
                    int64_t block, int64_t has_min) {
   if (values.dimensions().size() != 2) return ffi::Error::InvalidArgument("qmatmul: bad ranks");
   return Product(threads, x, values, scale, mins, out, kind, block, has_min, 0);
 }
 
 ffi::Error QMatmulStacked(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
-                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> mins, ffi::Buffer<ffi::S32> index,
+                          ffi::AnyBuffer scale, ffi::AnyBuffer mins, ffi::Buffer<ffi::S32> index,
                           ffi::ResultBuffer<ffi::F32> out, int64_t kind, int64_t block, int64_t has_min) {
   if (values.dimensions().size() != 3 || index.element_count() != 1)
     return ffi::Error::InvalidArgument("qmatmul_stacked: bad ranks");
@@ -117,7 +138,7 @@ ffi::Error QMatmulStacked(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi:
 }
 
 // A stack [count, n, k] of one layout from its buffers, or an error.
-ffi::Error stack_of(ffi::AnyBuffer& values, ffi::Buffer<ffi::F32>& scale, ffi::Buffer<ffi::F32>& mins,
+ffi::Error stack_of(ffi::AnyBuffer& values, ffi::AnyBuffer& scale, ffi::AnyBuffer& mins,
                     int64_t kind, int64_t block, int64_t has_min, motet_qmatmul::QStack& stack) {
   const auto vd = values.dimensions();
   if (vd.size() != 3 || block <= 0) return ffi::Error::InvalidArgument("moe_experts: bad stack ranks");
@@ -128,17 +149,18 @@ ffi::Error stack_of(ffi::AnyBuffer& values, ffi::Buffer<ffi::F32>& scale, ffi::B
     return ffi::Error::InvalidArgument("moe_experts: a stack's shapes do not agree");
   stack.count = vd[0];
   stack.first = {static_cast<int>(kind), static_cast<int>(block), vd[1], k,
-                 static_cast<const uint8_t*>(values.untyped_data()), scale.typed_data(),
-                 has_min ? mins.typed_data() : nullptr};
+                 static_cast<const uint8_t*>(values.untyped_data())};
+  if (!set_scales(stack.first, scale, mins, has_min, 0))
+    return ffi::Error::InvalidArgument("moe_experts: scales and mins must be float32 or float16");
   return ffi::Error::Success();
 }
 
 // A MoE layer's routed experts (qmatmul.h's Experts): x [tokens, d], ids and weights
 // [tokens, k], the gate_up [E, 2f, d] and down [E, d, f] stacks.
 ffi::Error MoeExperts(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
-                      ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer gu_values, ffi::Buffer<ffi::F32> gu_scale,
-                      ffi::Buffer<ffi::F32> gu_mins, ffi::AnyBuffer down_values, ffi::Buffer<ffi::F32> down_scale,
-                      ffi::Buffer<ffi::F32> down_mins, ffi::ResultBuffer<ffi::F32> out, int64_t gu_kind,
+                      ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer gu_values, ffi::AnyBuffer gu_scale,
+                      ffi::AnyBuffer gu_mins, ffi::AnyBuffer down_values, ffi::AnyBuffer down_scale,
+                      ffi::AnyBuffer down_mins, ffi::ResultBuffer<ffi::F32> out, int64_t gu_kind,
                       int64_t gu_block, int64_t gu_has_min, int64_t down_kind, int64_t down_block,
                       int64_t down_has_min) {
   motet_qmatmul::Experts m{};
@@ -233,8 +255,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetQMatmul, QMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("kind")
                                   .Attr<int64_t>("block")
@@ -245,8 +267,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetQMatmulStacked, QMatmulStacked,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("kind")
@@ -273,11 +295,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetMoeExperts, MoeExperts,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("gu_kind")
                                   .Attr<int64_t>("gu_block")
