@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 
 from motet.model import native
 from motet.model.gguf_quants import REPACK
-from motet.model.quant import QTensor, dequantize, matmul, matmul_stacked, qmatmul, stack, stack_rows
+from motet.model.quant import QTensor, dequantize, matmul, matmul_stacked, qmatmul, scales_of, stack, stack_rows
 
 # where each format keeps its f16 scales (random bytes there could be inf or NaN)
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
@@ -32,9 +32,10 @@ def dequantize_host(w: QTensor) -> np.ndarray:
         q = np.concatenate([v & 15, v >> 4], axis=-1)
     else:
         q = values.reshape(*lead, -1, w.block)
-    out = q.astype(np.float32) * np.asarray(w.scale)[..., None]
-    if w.min is not None:
-        out += np.asarray(w.min)[..., None]
+    scale, mins = scales_of(jax.tree.map(np.asarray, w), np)
+    out = q.astype(np.float32) * scale[..., None]
+    if mins is not None:
+        out += mins[..., None]
     return out.reshape(*lead, -1)
 
 
@@ -58,9 +59,14 @@ def test_every_gguf_type_repacks_to_the_values_gguf_reads(kind):
     np.testing.assert_array_equal(dequantize_host(packed), gguf.quants.dequantize(raw, Q[kind]))
     # the jitted dequantization reads the same values
     np.testing.assert_array_equal(np.asarray(dequantize(jax.device_put(packed))), dequantize_host(packed))
-    # the simple types keep the file's f16 scales; a K type's scale times its 6-bit
-    # integer needs float32
-    assert packed.scale.dtype == (np.float16 if kind in ("Q4_0", "Q4_1", "Q8_0") else np.float32)
+    # scales as the file keeps them: the simple types' f16; the K types' integers, with
+    # their super-block's f16 (as float32) per 256 values
+    if kind in ("Q4_0", "Q4_1", "Q8_0"):
+        assert packed.scale.dtype == np.float16 and packed.super_scale is None
+    else:
+        assert packed.scale.dtype == (np.int8 if kind == "Q6_K" else np.uint8)
+        assert packed.super_scale.shape == (6, 2) and packed.super_scale.dtype == np.float32
+        assert packed.group * packed.block == 256
 
 
 def test_q4_0_mins_that_would_overflow_f16_fall_back_to_float32():

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as Q
 from conftest import GOLDEN
 from gguf_fixtures import _tokenizer, mix, simple, write_gguf, write_tensors
 from kquants import quantize_k
-from motet.model import UnsupportedModelError, load_model
+from motet.model import UnsupportedModelError, load_model, native
 from motet.model.quant import QTensor, dequantize, quantize
 from motet.model.tiered_model import TieredModel
 from test_expert_tiers import MOE_ARCHS, long_prompt, make_pool, resident_run, tiered_run
@@ -209,3 +209,30 @@ def test_a_k_quant_moe_gguf_runs_quantized_in_every_tier(tmp_path):
     assert tokens == want_tokens and relative_error(logits, want_logits) < RTOL
     assert [p[1].source for p in pool.pools] == ["Q6_K", "Q5_K"]
     assert (pool.pools[0][1].block, pool.pools[1][1].block) == (16, 32)  # Q6_K's scales per 16
+
+
+@pytest.mark.skipif(not native.available(), reason="the native kernels were not built")
+def test_k_scales_stay_packed_where_the_dots_read_them_in_place(tmp_path):
+    """With AVX-512 a K type keeps the file's scales (an integer per block, a float per
+    256 values: Q4_K in 4.75 bits a value, not 6); with AVX2 they are widened to float32
+    at load. Both compute the same logits."""
+    hf, raw = random_qwen3_moe(layers=1)
+    path = write_tensors(tmp_path / "k.gguf", hf, raw, partial(_tokenizer, hf_dir=GOLDEN / "qwen3_moe",
+                                                               vocab_size=hf["vocab_size"]),
+                         mix(_k_mix, lambda array, kind: quantize_k(array, kind.name)))
+    prompt = long_prompt("qwen3_moe", hf["vocab_size"])
+    best, logits = native.instruction_set(), {}
+    try:
+        for isa in ("avx512", "avx2"):
+            if not native.select_instruction_set(isa):
+                continue
+            model = load_model(path)
+            gate_up = model.weights["layers"][0]["experts_gate_up"]
+            assert (gate_up.super_scale is not None) == (isa == "avx512") == native.k_scales_packed()
+            bits = 8 * gate_up.nbytes / np.prod(gate_up.shape)
+            assert bits == (4.75 if isa == "avx512" else 6.0)
+            logits[isa] = model.logits(prompt)
+    finally:
+        native.select_instruction_set(best)
+    if len(logits) == 2:
+        assert relative_error(logits["avx512"], logits["avx2"]) < 1e-5

@@ -8,10 +8,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from . import native
 from .errors import ModelFileError, UnsupportedModelError
 from .gguf_quants import REPACK
 from .mapped_file import release_pages
-from .quant import QTensor, pick_rows
+from .quant import QTensor, pick_rows, plain
 
 GGUF_MAGIC = b"GGUF"
 
@@ -191,6 +192,8 @@ class GGUFSource:
         if raw.ndim != len(shape) or raw.shape[:-1] != shape[:-1] or raw.dtype != np.uint8:
             raise ModelFileError(f"{self.describe(name)}: {raw.shape} bytes do not hold shape {shape}")
         w = repack(raw.reshape(-1, raw.shape[-1]))
+        if w.super_scale is not None and not native.k_scales_packed():
+            w = plain(w)
         if w.shape[-1] != shape[-1]:
             raise ModelFileError(f"{self.describe(name)} has rows of {w.shape[-1]} values, expected {shape[-1]}")
         if len(shape) > 2:

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from . import native
 from .config import ModelConfig
-from .quant import LAYOUTS, QTensor, as_float_stack, matmul, matmul_stacked
+from .quant import QTensor, as_float_stack, ffi_operands, matmul, matmul_stacked
 from .sharding import EP, TP
 
 MOE_IMPLS = ("auto", "grouped", "ragged")
@@ -60,14 +60,11 @@ def experts_grouped(x, weights, ids, gate_up, down, block: int, elsewhere: bool 
 
 
 def _experts_native(x, weights, ids, gate_up: QTensor, down: QTensor):
-    none = jnp.zeros((0,), jnp.float32)
     call = jax.ffi.ffi_call(native.MOE_EXPERTS, jax.ShapeDtypeStruct(x.shape, jnp.float32))
-    out = call(x.astype(jnp.float32), ids.astype(jnp.int32), weights.astype(jnp.float32),
-               gate_up.values, gate_up.scale, none if gate_up.min is None else gate_up.min,
-               down.values, down.scale, none if down.min is None else down.min,
-               gu_kind=np.int64(LAYOUTS.index(gate_up.layout)), gu_block=np.int64(gate_up.block),
-               gu_has_min=np.int64(gate_up.min is not None), down_kind=np.int64(LAYOUTS.index(down.layout)),
-               down_block=np.int64(down.block), down_has_min=np.int64(down.min is not None))
+    (gu_buffers, gu_attributes), (down_buffers, down_attributes) = ffi_operands(gate_up), ffi_operands(down)
+    out = call(x.astype(jnp.float32), ids.astype(jnp.int32), weights.astype(jnp.float32), *gu_buffers, *down_buffers,
+               **{f"gu_{k}": v for k, v in gu_attributes.items()},
+               **{f"down_{k}": v for k, v in down_attributes.items()})
     return out.astype(x.dtype)
 
 

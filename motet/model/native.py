@@ -60,6 +60,16 @@ def available() -> bool:
     return _library() is not None
 
 
+def k_scales_packed() -> bool:
+    """Whether a K type's scales stay as the file packs them (a small integer per block
+    and a float per super-block) rather than widened to float32 at load. The AVX-512 dots
+    read them in place at the speed of float32 scales; the AVX2 and baseline dots ran a
+    fifth to a third slower on them (benchmarks/qmatmul.py's note in
+    docs/performance.md), so there they are widened, as they were before. Off the CPU the
+    XLA path widens them inside the jitted computation."""
+    return jax.default_backend() != "cpu" or instruction_set() in (None, "avx512")
+
+
 def use_kernel(asked: bool | None, applies: bool, what: str) -> bool:
     """Whether a computation runs on its native kernel. asked None: where the kernel was
     built and applies (its operands are of the kinds it takes); True: it must (an error

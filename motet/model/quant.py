@@ -7,9 +7,12 @@ them), kept as one of two layouts:
       nibble and value i + 16 in its high one; block 32
   q8  values int8 [..., N, K]; block 16 or 32
 with scale [..., N, K/block] and, where the format has one, min likewise: a weight is
-q · scale + min. Scales and mins are float32, or float16 where the file's are (Q4_0,
-Q4_1, Q8_0: exact, and a 4-bit layout a sixth smaller). Every GGUF type motet reads repacks into one of these
-exactly (gguf_quants.py), so no value of the file changes.
+q · scale + min. Scales and mins are as the file keeps them, so no value changes:
+float16 (Q4_0, Q4_1, Q8_0), or for the K types small integers (uint8, or int8 for Q6_K)
+times a float32 super entry per `group` blocks (super_scale, super_min [..., N,
+K/block/group]): Q4_K then takes 4.75 bits a value where float32 scales took 6.
+Float32 scales are the plain form (--quantize's, and stacks of parts that differ).
+Every GGUF type motet reads repacks into one of these exactly (gguf_quants.py).
 
 `matmul(x, w)` takes a QTensor or a plain [K, N] array. On the CPU a QTensor goes to
 the native kernel (kernels/, through jax.ffi) where it was built; elsewhere, and
@@ -41,6 +44,10 @@ class QTensor:
     block: int = field(metadata=dict(static=True))
     # the file's type ("Q4_K", ...), for `motet info`
     source: str = field(default="", metadata=dict(static=True))
+    # packed K-type scales and mins: scale (and min) hold integers, times these per group
+    super_scale: jax.Array | np.ndarray | None = None
+    super_min: jax.Array | np.ndarray | None = None
+    group: int = field(default=0, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -54,7 +61,30 @@ class QTensor:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.values, self.scale, self.min) if a is not None)
+        return sum(a.nbytes for a in (self.values, self.scale, self.min, self.super_scale, self.super_min)
+                   if a is not None)
+
+
+def _widened(entries, supers, group: int, xp):
+    """Scales or mins as float32: packed integers times their group's super entry."""
+    if supers is None:
+        return entries.astype(xp.float32)
+    grouped = entries.reshape(*entries.shape[:-1], -1, group).astype(xp.float32)
+    return (grouped * supers[..., None]).reshape(entries.shape)
+
+
+def scales_of(w: QTensor, xp=jnp):
+    """(scale, min or None) as float32 arrays [..., N, K/block], in numpy or inside jit."""
+    mins = None if w.min is None else _widened(w.min, w.super_min, w.group, xp)
+    return _widened(w.scale, w.super_scale, w.group, xp), mins
+
+
+def plain(w: QTensor) -> QTensor:
+    """w with float32 scales and mins (host arrays): the form parts that differ stack in."""
+    if w.super_scale is None and w.super_min is None:
+        return w
+    scale, mins = scales_of(jax.tree.map(np.asarray, w), np)
+    return QTensor(w.values, scale, mins, w.layout, w.block, w.source)
 
 
 def dequantize(w: QTensor, dtype=F32) -> jax.Array:
@@ -65,9 +95,10 @@ def dequantize(w: QTensor, dtype=F32) -> jax.Array:
         q = jnp.concatenate([v & 15, v >> 4], axis=-1)
     else:
         q = w.values.reshape(*lead, -1, w.block)
-    out = q.astype(dtype) * w.scale[..., None].astype(dtype)
-    if w.min is not None:
-        out = out + w.min[..., None].astype(dtype)
+    scale, mins = scales_of(w)
+    out = q.astype(dtype) * scale[..., None].astype(dtype)
+    if mins is not None:
+        out = out + mins[..., None].astype(dtype)
     return out.reshape(*lead, -1)
 
 
@@ -75,14 +106,21 @@ def _xla_matmul(x: jax.Array, w: QTensor) -> jax.Array:
     return jnp.einsum("...k,nk->...n", x, dequantize(w, x.dtype), preferred_element_type=F32)
 
 
+def ffi_operands(w: QTensor) -> tuple[tuple, dict]:
+    """A QTensor as the kernels take it (kernels/qmatmul_ffi.cc's Matrix): its five
+    buffers (an empty float32 array for one it lacks) and its attributes."""
+    none = jnp.zeros((0,), F32)
+    buffers = tuple(none if a is None else a for a in (w.values, w.scale, w.min, w.super_scale, w.super_min))
+    return buffers, {"kind": np.int64(LAYOUTS.index(w.layout)), "block": np.int64(w.block),
+                     "has_min": np.int64(w.min is not None), "group": np.int64(w.group)}
+
+
 def _native_matmul(x: jax.Array, w: QTensor, index=None) -> jax.Array:
     n = w.values.shape[-2]
-    mins = w.min if w.min is not None else jnp.zeros((0,), F32)
     target = native.QMATMUL if index is None else native.QMATMUL_STACKED
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((*x.shape[:-1], n), F32))
-    operands = (x.astype(F32), w.values, w.scale, mins) + (() if index is None else (index,))
-    return call(*operands, kind=np.int64(LAYOUTS.index(w.layout)), block=np.int64(w.block),
-                has_min=np.int64(w.min is not None))
+    buffers, attributes = ffi_operands(w)
+    return call(x.astype(F32), *buffers, *(() if index is None else (index,)), **attributes)
 
 
 def qmatmul(x: jax.Array, w: QTensor, use_native: bool | None = None, index=None) -> jax.Array:
@@ -131,8 +169,7 @@ def take_rows(w, rows) -> jax.Array:
 
 def pick_rows(w: QTensor, rows) -> QTensor:
     """Those rows, in that order, still packed (a lookup, or a reordering at load)."""
-    return QTensor(w.values[rows], w.scale[rows], None if w.min is None else w.min[rows],
-                   w.layout, w.block, w.source)
+    return jax.tree.map(lambda a: a[rows], w)
 
 
 def as_q8(w: QTensor, block: int) -> QTensor:
@@ -140,6 +177,7 @@ def as_q8(w: QTensor, block: int) -> QTensor:
     tensors of different layouts into one matrix."""
     if w.layout == "q8" and w.block == block:
         return w
+    w = plain(w)
     values = np.asarray(w.values)
     if w.layout == "q4":
         v = values.reshape(*values.shape[:-1], -1, 16)
@@ -153,6 +191,9 @@ def as_q8(w: QTensor, block: int) -> QTensor:
 def stack_rows(parts: list[QTensor]) -> QTensor:
     """One matrix whose rows are the parts' rows (Q, K and V; gate and up; of a stack of
     experts, each expert's), in the most compact layout all of them fit exactly."""
+    form = {(p.layout, p.block, p.min is None, p.group, np.dtype(p.scale.dtype)) for p in parts}
+    if len(form) > 1:
+        parts = [plain(p) for p in parts]
     if len({(p.layout, p.block, p.min is None) for p in parts}) > 1:
         block = min(p.block for p in parts)
         parts = [as_q8(p, block) for p in parts]
@@ -167,7 +208,8 @@ def stack_rows(parts: list[QTensor]) -> QTensor:
         arrays = [getattr(p, name) for p in parts]
         return None if arrays[0] is None else np.concatenate([np.asarray(a) for a in arrays], axis=-2)
 
-    return QTensor(cat("values"), cat("scale"), cat("min"), first.layout, first.block, sources)
+    return QTensor(cat("values"), cat("scale"), cat("min"), first.layout, first.block, sources,
+                   cat("super_scale"), cat("super_min"), first.group)
 
 
 def stack(items: list) -> np.ndarray | QTensor:

@@ -8,6 +8,19 @@ namespace motet_qmatmul {
 
 enum Kind : int { Q4 = 0, Q8 = 1 };
 
+// Scales or mins kept in fewer bytes than floats, as the file keeps them, and widened a
+// unit's rows at a time (row_range in qmatmul_body.inc), so the loops read floats:
+// IEEE halves (Q4_0, Q4_1, Q8_0), or small integers times a float per `group` blocks
+// (the K types: a 6-bit scale per 16 or 32 values, an f16 per 256).
+enum PackedForm : int { PLAIN = 0, HALVES = 1, BYTES = 2, SIGNED_BYTES = 3 };
+struct Packed {
+  int form;             // PLAIN: none (the float array is given instead)
+  const void* data;     // [n, k/block] halves, uint8 or int8
+  const float* super;   // [n, k/block/group] (the byte forms)
+  int64_t group;        // blocks per super entry
+  Packed moved(int64_t entries) const;  // moved on `entries` entries (whole groups)
+};
+
 // What a KV cache holds: float32, or 16-bit floats (IEEE half, as llama.cpp's cache, or
 // bfloat16), widened to float32 as they are read.
 enum Elem : int { F32 = 0, F16 = 1, BF16 = 2 };
@@ -19,11 +32,10 @@ struct QWeights {
   const uint8_t* values;  // Q4 [n, k/2] (byte i of a block: value i low, i+16 high); Q8 [n, k]
   const float* scale;     // [n, k/block]
   const float* min;       // [n, k/block], or null for none
-  // In place of scale and min where a file's are IEEE halves (Q4_0, Q4_1, Q8_0), which
-  // cost a sixth of a 4-bit layout's bytes less than floats: each unit of work widens its
-  // own rows' (row_range in qmatmul_body.inc), so the loops read floats either way.
-  const uint16_t* half_scale;
-  const uint16_t* half_min;
+  // In place of scale and min where they are packed (a 4-bit layout's float scale and
+  // min would add a third to its bytes)
+  Packed packed_scale;
+  Packed packed_min;
 };
 
 // Runs task(arg, unit) once for every unit in [0, units), on as many threads as it has,
@@ -52,6 +64,16 @@ struct Attention {
   float* out;               // [rows, kv_heads, group, head_dim]
 };
 
+inline Packed Packed::moved(int64_t entries) const {
+  Packed p = *this;
+  if (form == HALVES) p.data = static_cast<const uint16_t*>(data) + entries;
+  if (form == BYTES || form == SIGNED_BYTES) {
+    p.data = static_cast<const uint8_t*>(data) + entries;
+    p.super = super + entries / group;
+  }
+  return p;
+}
+
 using Impl = void (*)(const QWeights&, const float* x, int64_t m, float* out, const Parallel&);
 
 // A stack of matrices [count, n, k] in one layout (a layer's experts): matrix e is
@@ -66,8 +88,8 @@ struct QStack {
     w.values += e * first.n * row_bytes;
     if (w.scale) w.scale += scales;
     if (w.min) w.min += scales;
-    if (w.half_scale) w.half_scale += scales;
-    if (w.half_min) w.half_min += scales;
+    w.packed_scale = w.packed_scale.moved(scales);
+    w.packed_min = w.packed_min.moved(scales);
     return w;
   }
 };

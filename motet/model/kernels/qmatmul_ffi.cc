@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 
 #include "qmatmul.h"
@@ -73,100 +74,128 @@ void for_each_on_pool(void* pool, int64_t units, motet_qmatmul::Task task, void*
     if (spins > 1000) std::this_thread::yield();
 }
 
-// Where a matrix's scales (or mins) start, `offset` elements into their buffer: floats,
-// or a file's IEEE halves. False for any other element type.
-bool scales_at(const ffi::AnyBuffer& b, int64_t offset, const float*& floats, const uint16_t*& halves) {
+// A matrix's scales (or mins) from their buffer, `offset` entries in: floats, or packed
+// (quant.py's QTensor: f16, or uint8 / int8 times a float32 `super` entry per `group`).
+// False for any other element type, or a super buffer of the wrong size.
+bool scales_at(const ffi::AnyBuffer& b, const ffi::AnyBuffer& super, int64_t group, int64_t offset,
+               const float*& floats, motet_qmatmul::Packed& packed) {
+  using motet_qmatmul::Packed;
   floats = nullptr;
-  halves = nullptr;
-  if (b.element_type() == ffi::DataType::F32) floats = static_cast<const float*>(b.untyped_data()) + offset;
-  else if (b.element_type() == ffi::DataType::F16) halves = static_cast<const uint16_t*>(b.untyped_data()) + offset;
-  else return false;
+  packed = Packed{};
+  const auto type = b.element_type();
+  if (type == ffi::DataType::F32) {
+    floats = static_cast<const float*>(b.untyped_data()) + offset;
+    return true;
+  }
+  if (type == ffi::DataType::F16) {
+    packed = Packed{motet_qmatmul::HALVES, static_cast<const uint16_t*>(b.untyped_data()) + offset, nullptr, 1};
+    return true;
+  }
+  if ((type != ffi::DataType::U8 && type != ffi::DataType::S8) || group < 1 ||
+      super.element_type() != ffi::DataType::F32 || b.element_count() != super.element_count() * group)
+    return false;
+  packed = Packed{type == ffi::DataType::U8 ? motet_qmatmul::BYTES : motet_qmatmul::SIGNED_BYTES,
+                  static_cast<const uint8_t*>(b.untyped_data()) + offset,
+                  static_cast<const float*>(super.untyped_data()) + offset / group, group};
   return true;
 }
 
 // A matrix's scales and mins (none unless has_min) into w, or false.
-bool set_scales(QWeights& w, const ffi::AnyBuffer& scale, const ffi::AnyBuffer& mins, int64_t has_min,
-                int64_t offset) {
-  if (!scales_at(scale, offset, w.scale, w.half_scale)) return false;
-  if (has_min) return scales_at(mins, offset, w.min, w.half_min);
+bool set_scales(QWeights& w, const ffi::AnyBuffer& scale, const ffi::AnyBuffer& mins, const ffi::AnyBuffer& super_scale,
+                const ffi::AnyBuffer& super_min, int64_t group, int64_t has_min, int64_t offset) {
+  if (!scales_at(scale, super_scale, group, offset, w.scale, w.packed_scale)) return false;
+  if (has_min) return scales_at(mins, super_min, group, offset, w.min, w.packed_min);
   w.min = nullptr;
-  w.half_min = nullptr;
+  w.packed_min = motet_qmatmul::Packed{};
   return true;
 }
 
-// x [..., k] times the matrix of a stack [stack, n, row bytes] at `index` (0 for one
-// matrix): the kernels read it in place, so an expert of a stack is never copied out.
-ffi::Error Product(ffi::ThreadPool& threads, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& values,
-                   ffi::AnyBuffer& scale, ffi::AnyBuffer& mins, ffi::ResultBuffer<ffi::F32>& out,
-                   int64_t kind, int64_t block, int64_t has_min, int64_t index) {
-  const auto xd = x.dimensions();
-  const auto vd = values.dimensions();
-  if (xd.size() < 1 || vd.size() < 2 || vd.size() > 3) return ffi::Error::InvalidArgument("qmatmul: bad ranks");
-  const int64_t stack = vd.size() == 3 ? vd[0] : 1;
-  const int64_t k = xd.back(), n = vd[vd.size() - 2];
-  const int64_t m = k ? static_cast<int64_t>(x.element_count()) / k : 0;
-  const int64_t row_bytes = kind == motet_qmatmul::Q4 ? k / 2 : k;
-  const int64_t blocks = k / block;
-  if (vd.back() != row_bytes || k % block != 0 || (kind == motet_qmatmul::Q4 && block != 32) ||
-      static_cast<int64_t>(scale.element_count()) != stack * n * blocks ||
-      (has_min && mins.element_count() != scale.element_count()) ||
-      static_cast<int64_t>(out->element_count()) != m * n)
-    return ffi::Error::InvalidArgument("qmatmul: shapes do not agree");
+// One quantized matrix, or a stack of them, as quant.py's QTensor passes it: values,
+// scales, mins (read where has_min), the super entries of packed scales and mins (read
+// where their element type says so), and its attributes.
+struct Matrix {
+  ffi::AnyBuffer values, scale, mins, super_scale, super_min;
+  int64_t kind, block, has_min, group;
+};
+
+// Matrix `index` of m (a stack [stack, n, row bytes], or one matrix [n, row bytes] and
+// index 0) for rows of k values, or an error naming `what`.
+ffi::Error matrix_of(const Matrix& m, int64_t k, int64_t index, const char* what, QWeights& w, int64_t& stack) {
+  const auto vd = m.values.dimensions();
+  const std::string bad = std::string(what) + ": shapes do not agree";
+  if (vd.size() < 2 || vd.size() > 3 || m.block <= 0) return ffi::Error::InvalidArgument(std::string(what) + ": bad ranks");
+  stack = vd.size() == 3 ? vd[0] : 1;
+  const int64_t n = vd[vd.size() - 2], row_bytes = m.kind == motet_qmatmul::Q4 ? k / 2 : k, blocks = k / m.block;
+  if (vd.back() != row_bytes || k % m.block != 0 || (m.kind == motet_qmatmul::Q4 && (m.block != 32 || !m.has_min)) ||
+      static_cast<int64_t>(m.scale.element_count()) != stack * n * blocks ||
+      (m.has_min && m.mins.element_count() != m.scale.element_count()))
+    return ffi::Error::InvalidArgument(bad);
   index = std::clamp<int64_t>(index, 0, stack - 1);  // as XLA clamps a dynamic slice
-  QWeights w{static_cast<int>(kind), static_cast<int>(block), n, k,
-             static_cast<const uint8_t*>(values.untyped_data()) + index * n * row_bytes};
-  if (!set_scales(w, scale, mins, has_min, index * n * blocks))
-    return ffi::Error::InvalidArgument("qmatmul: scales and mins must be float32 or float16");
-  const motet_qmatmul::Parallel parallel{&threads, for_each_on_pool};
-  chosen().impl(w, x.typed_data(), m, out->typed_data(), parallel);
+  w = QWeights{static_cast<int>(m.kind), static_cast<int>(m.block), n, k,
+               static_cast<const uint8_t*>(m.values.untyped_data()) + index * n * row_bytes};
+  if (!set_scales(w, m.scale, m.mins, m.super_scale, m.super_min, m.group, m.has_min, index * n * blocks))
+    return ffi::Error::InvalidArgument(std::string(what) + ": scales and mins must be float32, float16, or "
+                                       "uint8 or int8 with float32 super entries");
+  return ffi::Error::Success();
+}
+
+// x [..., k] times matrix `index` of m: the kernels read it in place, so an expert of a
+// stack is never copied out.
+ffi::Error Product(ffi::ThreadPool& threads, ffi::Buffer<ffi::F32>& x, const Matrix& m,
+                   ffi::ResultBuffer<ffi::F32>& out, int64_t index) {
+  const auto xd = x.dimensions();
+  if (xd.size() < 1) return ffi::Error::InvalidArgument("qmatmul: bad ranks");
+  const int64_t k = xd.back(), rows = k ? static_cast<int64_t>(x.element_count()) / k : 0;
+  QWeights w{};
+  int64_t stack = 0;
+  if (auto e = matrix_of(m, k, index, "qmatmul", w, stack); e.failure()) return e;
+  if (static_cast<int64_t>(out->element_count()) != rows * w.n)
+    return ffi::Error::InvalidArgument("qmatmul: shapes do not agree");
+  chosen().impl(w, x.typed_data(), rows, out->typed_data(), motet_qmatmul::Parallel{&threads, for_each_on_pool});
   return ffi::Error::Success();
 }
 
 ffi::Error QMatmul(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::AnyBuffer scale,
-                   ffi::AnyBuffer mins, ffi::ResultBuffer<ffi::F32> out, int64_t kind,
-                   int64_t block, int64_t has_min) {
+                   ffi::AnyBuffer mins, ffi::AnyBuffer super_scale, ffi::AnyBuffer super_min,
+                   ffi::ResultBuffer<ffi::F32> out, int64_t kind, int64_t block, int64_t has_min, int64_t group) {
   if (values.dimensions().size() != 2) return ffi::Error::InvalidArgument("qmatmul: bad ranks");
-  return Product(threads, x, values, scale, mins, out, kind, block, has_min, 0);
+  return Product(threads, x, Matrix{values, scale, mins, super_scale, super_min, kind, block, has_min, group}, out, 0);
 }
 
 ffi::Error QMatmulStacked(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
-                          ffi::AnyBuffer scale, ffi::AnyBuffer mins, ffi::Buffer<ffi::S32> index,
-                          ffi::ResultBuffer<ffi::F32> out, int64_t kind, int64_t block, int64_t has_min) {
+                          ffi::AnyBuffer scale, ffi::AnyBuffer mins, ffi::AnyBuffer super_scale,
+                          ffi::AnyBuffer super_min, ffi::Buffer<ffi::S32> index, ffi::ResultBuffer<ffi::F32> out,
+                          int64_t kind, int64_t block, int64_t has_min, int64_t group) {
   if (values.dimensions().size() != 3 || index.element_count() != 1)
     return ffi::Error::InvalidArgument("qmatmul_stacked: bad ranks");
-  return Product(threads, x, values, scale, mins, out, kind, block, has_min, index.typed_data()[0]);
+  return Product(threads, x, Matrix{values, scale, mins, super_scale, super_min, kind, block, has_min, group}, out,
+                 index.typed_data()[0]);
 }
 
 // A stack [count, n, k] of one layout from its buffers, or an error.
-ffi::Error stack_of(ffi::AnyBuffer& values, ffi::AnyBuffer& scale, ffi::AnyBuffer& mins,
-                    int64_t kind, int64_t block, int64_t has_min, motet_qmatmul::QStack& stack) {
-  const auto vd = values.dimensions();
-  if (vd.size() != 3 || block <= 0) return ffi::Error::InvalidArgument("moe_experts: bad stack ranks");
-  const int64_t row_bytes = vd[2], k = kind == motet_qmatmul::Q4 ? row_bytes * 2 : row_bytes;
-  if (k % block != 0 || (kind == motet_qmatmul::Q4 && (block != 32 || !has_min)) ||
-      static_cast<int64_t>(scale.element_count()) != vd[0] * vd[1] * (k / block) ||
-      (has_min && mins.element_count() != scale.element_count()))
-    return ffi::Error::InvalidArgument("moe_experts: a stack's shapes do not agree");
-  stack.count = vd[0];
-  stack.first = {static_cast<int>(kind), static_cast<int>(block), vd[1], k,
-                 static_cast<const uint8_t*>(values.untyped_data())};
-  if (!set_scales(stack.first, scale, mins, has_min, 0))
-    return ffi::Error::InvalidArgument("moe_experts: scales and mins must be float32 or float16");
-  return ffi::Error::Success();
+ffi::Error stack_of(const Matrix& m, motet_qmatmul::QStack& stack) {
+  const auto vd = m.values.dimensions();
+  if (vd.size() != 3) return ffi::Error::InvalidArgument("moe_experts: bad stack ranks");
+  const int64_t k = m.kind == motet_qmatmul::Q4 ? vd[2] * 2 : vd[2];
+  return matrix_of(m, k, 0, "moe_experts", stack.first, stack.count);
 }
 
 // A MoE layer's routed experts (qmatmul.h's Experts): x [tokens, d], ids and weights
 // [tokens, k], the gate_up [E, 2f, d] and down [E, d, f] stacks.
 ffi::Error MoeExperts(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
                       ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer gu_values, ffi::AnyBuffer gu_scale,
-                      ffi::AnyBuffer gu_mins, ffi::AnyBuffer down_values, ffi::AnyBuffer down_scale,
-                      ffi::AnyBuffer down_mins, ffi::ResultBuffer<ffi::F32> out, int64_t gu_kind,
-                      int64_t gu_block, int64_t gu_has_min, int64_t down_kind, int64_t down_block,
-                      int64_t down_has_min) {
+                      ffi::AnyBuffer gu_mins, ffi::AnyBuffer gu_super_scale, ffi::AnyBuffer gu_super_min,
+                      ffi::AnyBuffer down_values, ffi::AnyBuffer down_scale, ffi::AnyBuffer down_mins,
+                      ffi::AnyBuffer down_super_scale, ffi::AnyBuffer down_super_min, ffi::ResultBuffer<ffi::F32> out,
+                      int64_t gu_kind, int64_t gu_block, int64_t gu_has_min, int64_t gu_group, int64_t down_kind,
+                      int64_t down_block, int64_t down_has_min, int64_t down_group) {
   motet_qmatmul::Experts m{};
-  if (auto e = stack_of(gu_values, gu_scale, gu_mins, gu_kind, gu_block, gu_has_min, m.gate_up); e.failure()) return e;
-  if (auto e = stack_of(down_values, down_scale, down_mins, down_kind, down_block, down_has_min, m.down); e.failure())
-    return e;
+  const Matrix gate_up{gu_values, gu_scale, gu_mins, gu_super_scale, gu_super_min,
+                       gu_kind, gu_block, gu_has_min, gu_group};
+  const Matrix down{down_values, down_scale, down_mins, down_super_scale, down_super_min,
+                    down_kind, down_block, down_has_min, down_group};
+  if (auto e = stack_of(gate_up, m.gate_up); e.failure()) return e;
+  if (auto e = stack_of(down, m.down); e.failure()) return e;
   const auto xd = x.dimensions(), id = ids.dimensions();
   const int64_t d = m.gate_up.first.k, f = m.gate_up.first.n / 2;
   if (xd.size() != 2 || id.size() != 2 || xd[0] != id[0] || xd[1] != d || weights.element_count() != ids.element_count() ||
@@ -257,10 +286,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetQMatmul, QMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("kind")
                                   .Attr<int64_t>("block")
-                                  .Attr<int64_t>("has_min"));
+                                  .Attr<int64_t>("has_min")
+                                  .Attr<int64_t>("group"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetQMatmulStacked, QMatmulStacked,
                               ffi::Ffi::Bind()
@@ -269,11 +301,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetQMatmulStacked, QMatmulStacked,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("kind")
                                   .Attr<int64_t>("block")
-                                  .Attr<int64_t>("has_min"));
+                                  .Attr<int64_t>("has_min")
+                                  .Attr<int64_t>("group"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetAttendRows, AttendRows,
                               ffi::Ffi::Bind()
@@ -300,13 +335,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetMoeExperts, MoeExperts,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("gu_kind")
                                   .Attr<int64_t>("gu_block")
                                   .Attr<int64_t>("gu_has_min")
+                                  .Attr<int64_t>("gu_group")
                                   .Attr<int64_t>("down_kind")
                                   .Attr<int64_t>("down_block")
-                                  .Attr<int64_t>("down_has_min"));
+                                  .Attr<int64_t>("down_has_min")
+                                  .Attr<int64_t>("down_group"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetAttendChunk, AttendChunk,
                               ffi::Ffi::Bind()
