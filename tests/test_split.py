@@ -89,6 +89,7 @@ REFUSALS = [
      r"set CTX / --max-context differently \('1024' and '512'\)"),
     ({"decode_args": ["KV_SLOTS=2"]}, r"KV_SLOTS / --kv-slots differently .* the number of KV slots"),
     ({"prefill_args": ["--dtype=bfloat16"]}, r"--dtype differently \('bfloat16' and unset\).* the weights' dtype"),
+    ({"decode_args": ["--kv-dtype=float32"]}, r"--kv-dtype differently \(unset and 'float32'\).* the KV cache's dtype"),
     ({"decode_args": ["SNAP=/other/model.gguf"]}, r"SNAP / --model differently .* agree on the model"),
     ({"prefill_args": ["JAX_PLATFORMS=cpu"]}, r"JAX_PLATFORMS differently .* the JAX backend"),
     ({"prefill_args": ["KVSAVE=1"]}, r"prefill_args cannot set KVSAVE: the prefill engine's slots only pass"),
