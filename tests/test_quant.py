@@ -3,6 +3,7 @@ agrees with the XLA path on every instruction set this CPU has, and the default 
 computes from its quantized file what it computes from the same values in float32."""
 
 import platform
+from dataclasses import replace
 import shutil
 import subprocess
 import sys
@@ -132,6 +133,19 @@ def test_the_kernel_equals_the_xla_path(isa):
                 assert np.abs(kernel - xla).max() / scale < tolerance, (w.source, m)
     finally:
         native.select_instruction_set(best)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native kernel was not built")
+def test_the_kernel_refuses_packed_scales_it_cannot_read_with_a_clear_error():
+    w = REPACK["Q4_K"](random_blocks("Q4_K", 4, 256))  # a row: 8 blocks, one super-block
+    x = np.ones((1, 256), np.float32)
+    # as many super entries as the blocks need, but a row is half a group
+    halved = replace(w, super_scale=w.super_scale.reshape(-1)[:2], super_min=w.super_min.reshape(-1)[:2], group=16)
+    with pytest.raises(Exception, match="qmatmul: shapes do not agree"):
+        np.asarray(qmatmul(x, jax.device_put(halved), use_native=True))
+    wrong_type = replace(w, super_scale=w.super_scale.astype(np.float16))
+    with pytest.raises(Exception, match="uint8 or int8 with float32 super entries"):
+        np.asarray(qmatmul(x, jax.device_put(wrong_type), use_native=True))
 
 
 @pytest.mark.skipif(not native.available(), reason="the native kernel was not built")

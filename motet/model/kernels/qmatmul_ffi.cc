@@ -136,6 +136,8 @@ ffi::Error matrix_of(const Matrix& m, int64_t k, int64_t index, const char* what
   if (!set_scales(w, m.scale, m.mins, m.super_scale, m.super_min, m.group, m.has_min, index * n * blocks))
     return ffi::Error::InvalidArgument(std::string(what) + ": scales and mins must be float32, float16, or "
                                        "uint8 or int8 with float32 super entries");
+  if ((w.packed_scale.super || w.packed_min.super) && blocks % m.group != 0)  // rows of whole groups
+    return ffi::Error::InvalidArgument(bad);
   return ffi::Error::Success();
 }
 
