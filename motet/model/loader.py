@@ -60,13 +60,13 @@ def default_model_path() -> Path:
 def load_model(path: str | Path | None = None, dtype: str = AUTO, max_context: int | None = None,
                lazy_experts: bool = False, mesh: MeshSpec | str | Mesh | None = None,
                kv_dtype: str = AUTO) -> Model:
-    """kv_dtype: the KV cache's element type (kv.KV_DTYPE_CHOICES; auto: float16 under
-    quantized weights, else the weights' dtype).
-lazy_experts: leave a MoE model's experts in the (mmapped) file, for a tiered
+    """lazy_experts: leave a MoE model's experts in the (mmapped) file, for a tiered
     expert pool to read one at a time; the model then has an `expert_reader`.
     mesh: shard the weights over several devices ("ep=4,tp=2", a MeshSpec or a Mesh with
     axes (ep, tp); see sharding.py), each leaf read into its shards directly; with
-    lazy_experts only the shared weights (the pool is split over ep, not yet over tp)."""
+    lazy_experts only the shared weights (the pool is split over ep, not yet over tp).
+    kv_dtype: the KV cache's element type (kv.KV_DTYPE_CHOICES; auto: float16 under
+    quantized weights, else the weights' dtype)."""
     if dtype not in DTYPE_CHOICES:
         raise UnsupportedModelError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
     if kv_dtype not in KV_DTYPE_CHOICES:
