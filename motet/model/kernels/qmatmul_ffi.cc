@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "qmatmul.h"
 #include "xla/ffi/api/ffi.h"
@@ -279,91 +280,75 @@ ffi::Error AttendChunk(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Bu
   return ffi::Error::Success();
 }
 
+
+// The bindings' shared parts. A quantized matrix (Matrix): its five buffers, and its
+// attributes under `prefix`.
+template <typename Binding>
+auto matrix_buffers(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>()
+      .template Arg<ffi::AnyBuffer>();
+}
+
+template <typename Binding>
+auto matrix_attributes(Binding binding, const std::string& prefix) {
+  return std::move(binding)
+      .template Attr<int64_t>(prefix + "kind")
+      .template Attr<int64_t>(prefix + "block")
+      .template Attr<int64_t>(prefix + "has_min")
+      .template Attr<int64_t>(prefix + "group");
+}
+
+// Attention, decode or prefill: q, the new rows' (or the chunk's) K and V, the caches,
+// slots and positions (or slot and offset), the queries' scale.
+auto attention_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::Buffer<ffi::F32>>()
+      .Attr<float>("scale");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetQMatmul, QMatmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("kind")
-                                  .Attr<int64_t>("block")
-                                  .Attr<int64_t>("has_min")
-                                  .Attr<int64_t>("group"));
+                              matrix_attributes(matrix_buffers(ffi::Ffi::Bind()
+                                                                   .Ctx<ffi::ThreadPool>()
+                                                                   .Arg<ffi::Buffer<ffi::F32>>())
+                                                    .Ret<ffi::Buffer<ffi::F32>>(),
+                                                ""));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetQMatmulStacked, QMatmulStacked,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("kind")
-                                  .Attr<int64_t>("block")
-                                  .Attr<int64_t>("has_min")
-                                  .Attr<int64_t>("group"));
+                              matrix_attributes(matrix_buffers(ffi::Ffi::Bind()
+                                                                   .Ctx<ffi::ThreadPool>()
+                                                                   .Arg<ffi::Buffer<ffi::F32>>())
+                                                    .Arg<ffi::Buffer<ffi::S32>>()
+                                                    .Ret<ffi::Buffer<ffi::F32>>(),
+                                                ""));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetAttendRows, AttendRows,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetAttendRows, AttendRows, attention_binding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetAttendChunk, AttendChunk, attention_binding().Attr<int64_t>("has_history"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetMoeExperts, MoeExperts,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("gu_kind")
-                                  .Attr<int64_t>("gu_block")
-                                  .Attr<int64_t>("gu_has_min")
-                                  .Attr<int64_t>("gu_group")
-                                  .Attr<int64_t>("down_kind")
-                                  .Attr<int64_t>("down_block")
-                                  .Attr<int64_t>("down_has_min")
-                                  .Attr<int64_t>("down_group"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetAttendChunk, AttendChunk,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("has_history"));
+                              matrix_attributes(matrix_attributes(matrix_buffers(matrix_buffers(
+                                                                      ffi::Ffi::Bind()
+                                                                          .Ctx<ffi::ThreadPool>()
+                                                                          .Arg<ffi::Buffer<ffi::F32>>()
+                                                                          .Arg<ffi::Buffer<ffi::S32>>()
+                                                                          .Arg<ffi::Buffer<ffi::F32>>()))
+                                                                      .Ret<ffi::Buffer<ffi::F32>>(),
+                                                                  "gu_"),
+                                                "down_"));
 
 extern "C" {
 // The instruction set the kernels use ("avx512", "avx2" or "base").
