@@ -1,13 +1,15 @@
-"""How fast a one-row product streams its weights, against what the machine reads: the
-native kernel's x · W for a head-sized matrix (49152 × 576, the default model's LM head)
-in Q8_0 and Q4_1, on each instruction set this CPU has, once over one matrix again and
-again (it stays in the cache) and once over eight different ones in turn (they stream
-from memory, as a decode step's 100 MB of weights do), beside XLA's sum of a 200 MB
-float32 array (the machine's own read bandwidth, every core XLA uses).
+"""How fast the native products stream their weights, against what the machine reads:
+x · W for a head-sized matrix (49152 × 512), on AVX-512 and AVX2 where this CPU has
+them, once over one matrix again and again (it stays in the cache) and once over eight
+different ones in turn (they stream from memory, as a decode step's 100 MB of weights
+do), beside XLA's sum of a 200 MB float32 array (the machine's own read bandwidth,
+every core XLA uses). The types: Q8_0 and Q4_1 (f16 scales), and Q4_K and Q6_K twice,
+with their scales packed as the file has them and widened to float32 (quant.plain).
 
-    .venv/bin/python benchmarks/stream.py [--repeats 4]
+    .venv/bin/python benchmarks/stream.py [--rows 1,4,16] [--repeats 4]
 
-Prints JSON, then a table of GB/s of weight bytes (scales and mins included).
+Prints JSON, then a table of microseconds a product and GB/s of weight bytes (scales and
+mins included).
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ import numpy as np
 
 from motet.model import native
 from motet.model.gguf_quants import REPACK
-from motet.model.quant import qmatmul
+from motet.model.quant import plain, qmatmul
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_quant import random_blocks  # noqa: E402  (valid blocks of any type, from random bytes)
 
-ROWS, COLS, MATRICES = 49152, 576, 8
+ROWS, COLS, MATRICES = 49152, 512, 8
+# (label, type, scales widened to float32)
+FORMS = [("Q8_0", "Q8_0", False), ("Q4_1", "Q4_1", False), ("Q4_K", "Q4_K", False),
+         ("Q4_K float32 scales", "Q4_K", True), ("Q6_K", "Q6_K", False), ("Q6_K float32 scales", "Q6_K", True)]
 
 
 def best_seconds(run, repeats: int) -> float:
@@ -41,9 +46,10 @@ def best_seconds(run, repeats: int) -> float:
     return best
 
 
-def product_gb_s(kind: str, repeats: int) -> dict:
-    matrices = [jax.device_put(REPACK[kind](random_blocks(kind, ROWS, COLS, seed=i))) for i in range(MATRICES)]
-    x = jax.device_put(np.random.default_rng(0).standard_normal((1, COLS)).astype(np.float32))
+def product_figures(kind: str, widened: bool, rows: int, repeats: int) -> dict:
+    matrices = [REPACK[kind](random_blocks(kind, ROWS, COLS, seed=i)) for i in range(MATRICES)]
+    matrices = [jax.device_put(plain(w) if widened else w) for w in matrices]
+    x = jax.device_put(np.random.default_rng(0).standard_normal((rows, COLS)).astype(np.float32))
     product = jax.jit(lambda x, w: qmatmul(x, w))
     size = matrices[0].nbytes
 
@@ -51,13 +57,15 @@ def product_gb_s(kind: str, repeats: int) -> dict:
         def run():
             for w in pool:
                 product(x, w).block_until_ready()
-        return size * len(pool) / best_seconds(run, repeats) / 1e9
+        seconds = best_seconds(run, repeats) / len(pool)
+        return {"us": seconds * 1e6, "gb_s": size / seconds / 1e9}
 
     return {"cached": over(matrices[:1] * MATRICES), "streamed": over(matrices)}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1", help="rows of x, comma-separated")
     parser.add_argument("--repeats", type=int, default=4)
     args = parser.parse_args(argv)
     if not native.available():
@@ -70,16 +78,20 @@ def main(argv=None) -> int:
     result = {"xla_sum_gb_s": reference, "kernel": {}}
     try:
         for isa in native.INSTRUCTION_SETS[:2]:
-            if native.select_instruction_set(isa):
-                result["kernel"][isa] = {kind: product_gb_s(kind, args.repeats) for kind in ("Q8_0", "Q4_1")}
+            if not native.select_instruction_set(isa):
+                continue
+            result["kernel"][isa] = {
+                f"{label}, {rows} rows": product_figures(kind, widened, rows, args.repeats)
+                for rows in map(int, args.rows.split(",")) for label, kind, widened in FORMS}
     finally:
         native.select_instruction_set(best)
     print(json.dumps(result, indent=1))
-    print(f"\nGB/s; XLA's sum of a 200 MB array: {reference:.1f}")
-    print(f"{'':<16}{'cached':>10}{'streamed':>10}")
-    for isa, kinds in result["kernel"].items():
-        for kind, figures in kinds.items():
-            print(f"{isa + ' ' + kind:<16}{figures['cached']:>10.1f}{figures['streamed']:>10.1f}")
+    print(f"\nXLA's sum of a 200 MB array: {reference:.1f} GB/s")
+    print(f"{'':<36}{'cached µs':>10}{'GB/s':>7}{'streamed µs':>13}{'GB/s':>7}")
+    for isa, forms in result["kernel"].items():
+        for name, f in forms.items():
+            print(f"{isa + ' ' + name:<36}{f['cached']['us']:>10.0f}{f['cached']['gb_s']:>7.1f}"
+                  f"{f['streamed']['us']:>13.0f}{f['streamed']['gb_s']:>7.1f}")
     return 0
 
 
