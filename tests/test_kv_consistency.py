@@ -224,3 +224,32 @@ def test_padded_decode_rows_leave_other_rows_and_slots_alone(tiny_model, arch):
             k_col, v_row = written[slot][layer]
             close(ka[slot][..., pos], k_col)
             close(va[slot][:, pos], v_row)
+
+
+@pytest.mark.parametrize("arch", ("llama", "qwen3_moe"))
+def test_a_padded_chunk_past_the_cache_end_keeps_the_history(tiny_model, arch):
+    """A slot holds the context and no chunk more: a chunk whose padding reaches past the
+    last position (40 tokens padded to 64, at offset 200 of 256) stores its real rows,
+    drops the padding, and leaves the history before it untouched."""
+    model = tiny_model(arch)
+    geo = KVGeometry(n_slots=2, max_context=256, chunk=64)
+    assert geo.length == 256
+    prompt = make_prompt(model.config.vocab_size, 240, 7)
+    _, kv = prefill_slot(model, init_kv(model.config, geo), geo, 1, prompt[:200], 0)
+    before = host(kv)
+    logits, kv = prefill_slot(model, kv, geo, 1, prompt[200:], 200)
+    close(logits, model.logits(prompt)[-1])
+    _, whole = prefill_slot(model, init_kv(model.config, geo), geo, 1, prompt, 0)
+    (k_before, v_before), (k_after, v_after), (k_whole, v_whole) = before, host(kv), host(whole)
+    for layer in range(model.config.n_layers):
+        np.testing.assert_array_equal(k_after[layer][1][..., :200], k_before[layer][1][..., :200])
+        np.testing.assert_array_equal(v_after[layer][1][:, :200], v_before[layer][1][:, :200])
+        close(k_after[layer][1][..., :240], k_whole[layer][1][..., :240])
+        close(v_after[layer][1][:, :240], v_whole[layer][1][:, :240])
+
+
+def test_a_slot_holds_the_context_in_whole_attention_blocks():
+    assert KVGeometry(n_slots=16, max_context=768, chunk=256).length == 768
+    assert KVGeometry(n_slots=16, max_context=1000, chunk=256).length == 1024
+    # the longest padded chunk fits, however short the context
+    assert KVGeometry(n_slots=1, max_context=600, chunk=1024).length == 1024

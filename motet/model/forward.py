@@ -258,15 +258,25 @@ def _decode_body(weights, k_cache, v_cache, tokens, slots, positions, *, cfg, mo
 
 @partial(jax.jit, donate_argnums=(0, 1))
 def write_chunk(k_cache, v_cache, new_k, new_v, slot, offset):
-    """Store a prefilled chunk (K [k, d, t], V [k, t, d]) at `offset` in `slot` (in place)."""
+    """Store a prefilled chunk (K [k, d, t], V [k, t, d]) at `offset` in `slot` (in place).
+    A padded chunk may reach past the cache's last position (the cache holds the context,
+    not a chunk more): those rows are dropped, the rows before `offset` kept."""
 
-    def put(cache, rows, start):
-        return jax.lax.dynamic_update_slice(cache, rows[None].astype(cache.dtype), start)
+    def put(cache, rows, axis):
+        rows = rows[None].astype(cache.dtype)
+        t, length = rows.shape[axis], cache.shape[axis]
+        # A write clamped to the end moves back by `shift`: the chunk's rows then start
+        # `shift` rows into the window, after the window's own old rows.
+        start = jnp.minimum(offset, length - t)
+        shift = offset - start
+        at = [slot, 0, 0, 0]
+        at[axis] = start
+        old = jax.lax.dynamic_slice(cache, at, rows.shape)
+        placed = jnp.roll(rows, shift, axis=axis)
+        keep = (jnp.arange(t) < shift).reshape([t if a == axis else 1 for a in range(4)])
+        return jax.lax.dynamic_update_slice(cache, jnp.where(keep, old, placed), at)
 
-    return (
-        [put(c, r, (slot, 0, 0, offset)) for c, r in zip(k_cache, new_k)],
-        [put(c, r, (slot, 0, offset, 0)) for c, r in zip(v_cache, new_v)],
-    )
+    return [put(c, r, 3) for c, r in zip(k_cache, new_k)], [put(c, r, 2) for c, r in zip(v_cache, new_v)]
 
 
 @partial(jax.jit, donate_argnums=(0, 1))

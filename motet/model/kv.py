@@ -52,9 +52,12 @@ class KVGeometry:
 
     @property
     def length(self) -> int:
-        # Room past the last position for a padded chunk's write and for the last
-        # attention block's read (forward.ATTN_BLOCK), so neither is clamped.
-        return self.max_context + max(self.chunk, ATTN_BLOCK)
+        """Positions a slot holds: the context, rounded up to whole attention blocks
+        (the XLA path reads a block at a time, forward.ATTN_BLOCK), and at least the
+        longest padded chunk. A padded chunk's rows past the end are dropped as it is
+        written (forward.write_chunk)."""
+        blocks = -(-self.max_context // ATTN_BLOCK) * ATTN_BLOCK
+        return max(blocks, max(self.prefill_chunks(), default=0))
 
     @property
     def scratch_slot(self) -> int:
