@@ -27,17 +27,11 @@ from jax.sharding import Mesh, PartitionSpec as P
 from .attention import attend_chunk, attend_rows
 from .config import ModelConfig
 from .moe import dense_ffn, moe_ffn
+from .norm import add_rms_norm, rms_norm
 from .quant import QTensor, matmul, take_rows
 from .sharding import KV_SPEC, TP, axis_size, mesh_of, weight_specs
 
 F32 = jnp.float32
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(F32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps) * w).astype(
-        x.dtype
-    )
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -104,8 +98,9 @@ def _layer(cfg, layer, x, positions, attend, moe_impl, mesh):
     expert ids or None). mesh: inside shard_map over it (cfg counts this shard's heads)."""
     q, k, v = qkv(cfg, layer, rms_norm(x, layer["attn_norm"], cfg.rms_eps), positions, mesh)
     out = matmul(attend(q, k, v), layer["wo"])  # row-parallel over tp: partial sums
-    x = x + (jax.lax.psum(out, TP) if axis_size(mesh, TP) > 1 else out)
-    y, ids = ffn(cfg, layer, rms_norm(x, layer["ffn_norm"], cfg.rms_eps), moe_impl, mesh)
+    x, normed = add_rms_norm(x, jax.lax.psum(out, TP) if axis_size(mesh, TP) > 1 else out, layer["ffn_norm"],
+                             cfg.rms_eps)
+    y, ids = ffn(cfg, layer, normed, moe_impl, mesh)
     return x + y, k, v, ids
 
 

@@ -26,8 +26,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from .attention import attend_chunk, attend_rows
-from .forward import embed, lm_head, qkv, rms_norm
+from .forward import embed, lm_head, qkv
 from .moe import dense_ffn, experts_grouped, experts_ragged, group_block, local_experts, route
+from .norm import add_rms_norm, rms_norm
 from .quant import matmul
 from .sharding import EP, LEAF_SPECS, TP
 
@@ -58,8 +59,7 @@ def _guess(cfg, x, nxt):
 def _after_attention(cfg, layer, x, out, nxt):
     """Residual add, then for a MoE layer its routing (and the guess for the next one),
     for a dense layer its FFN."""
-    x = x + matmul(out, layer["wo"])
-    h = rms_norm(x, layer["ffn_norm"], cfg.rms_eps)
+    x, h = add_rms_norm(x, matmul(out, layer["wo"]), layer["ffn_norm"], cfg.rms_eps)
     if "router" not in layer:
         return x + dense_ffn(layer, h), None, None, None, None
     w, ids = route(cfg, layer["router"], h)
