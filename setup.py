@@ -19,7 +19,8 @@ setup(
     ext_modules=[
         Extension(
             "motet.model._qmatmul",
-            sources=[KERNELS + f"qmatmul_{part}.cc" for part in ("ffi", "base", "avx2", "avx512")] + [KERNELS + "moe.cc", KERNELS + "norm.cc"],
+            sources=[KERNELS + f"qmatmul_{part}.cc" for part in ("ffi", "base", "avx2", "avx512")]
+            + [KERNELS + name for name in ("moe.cc", "norm_rope.cc")],
             include_dirs=ffi_include(),
             language="c++",
             extra_compile_args=["-O3", "-std=c++17", "-w"],

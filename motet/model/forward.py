@@ -26,6 +26,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from .attention import attend_chunk, attend_rows
 from .config import ModelConfig
+from .heads import qkv_heads
 from .moe import dense_ffn, moe_ffn
 from .norm import add_rms_norm, rms_norm
 from .quant import QTensor, matmul, take_rows
@@ -34,39 +35,10 @@ from .sharding import KV_SPEC, TP, axis_size, mesh_of, weight_specs
 F32 = jnp.float32
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, half-split convention; x [t, heads, d], positions [t]."""
-    half = x.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (np.arange(0, 2 * half, 2, dtype=np.float32) / (2 * half)))
-    angles = positions.astype(F32)[:, None] * inv_freq  # [t, d/2]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
-    x1, x2 = x[..., :half].astype(F32), x[..., half:].astype(F32)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-def _rms_norm_tp(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """rms_norm over a vector split along tp (this shard holds x's share of the channels)."""
-    x32 = x.astype(F32)
-    total = x.shape[-1] * jax.lax.psum(1, TP)
-    ms = jax.lax.psum(jnp.sum(x32 * x32, axis=-1, keepdims=True), TP) / total
-    return (x32 * jax.lax.rsqrt(ms + eps) * w).astype(x.dtype)
-
-
 def qkv(cfg: ModelConfig, layer: dict, x: jax.Array, positions: jax.Array, mesh: Mesh | None = None):
     """Normed, rotated q [t, h, d], k [t, k, d] and v [t, k, d] for the tokens x [t, model]."""
-    hd, nq, nk = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-    proj = matmul(x, layer["wqkv"])
-    q, k, v = jnp.split(proj, [nq * hd, (nq + nk) * hd], axis=-1)
-    if cfg.qk_norm == "full":
-        # over the whole projection, all heads: on a tp mesh the shards' sums are added
-        norm = _rms_norm_tp if axis_size(mesh, TP) > 1 else rms_norm
-        q = norm(q, layer["q_norm"], cfg.rms_eps)
-        k = norm(k, layer["k_norm"], cfg.rms_eps)
-    q, k, v = (a.reshape(a.shape[0], -1, hd) for a in (q, k, v))
-    if cfg.qk_norm == "head":
-        q = rms_norm(q, layer["q_norm"], cfg.rms_eps)
-        k = rms_norm(k, layer["k_norm"], cfg.rms_eps)
-    return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
+    return qkv_heads(cfg, matmul(x, layer["wqkv"]), positions, layer.get("q_norm"), layer.get("k_norm"),
+                     split_over_tp=axis_size(mesh, TP) > 1)
 
 
 def ffn(cfg: ModelConfig, layer: dict, x: jax.Array, moe_impl: str, mesh: Mesh | None = None):

@@ -1,6 +1,6 @@
 """The native CPU kernels (kernels/*.cc: quantized products, decode and prefill
-attention, a MoE layer's experts, norms): found beside this module, where the install
-built them, and registered with XLA once.
+attention, a MoE layer's experts, norms, a QKV projection made heads): found beside
+this module, where the install built them, and registered with XLA once.
 
 The install builds them with the machine's C++ compiler (setup.py); where it could
 not, `available()` is False and quantized products take the XLA path (quant.py).
@@ -24,6 +24,7 @@ ATTEND_ROWS = "motet_attend_rows"  # decode attention over the KV cache
 ATTEND_CHUNK = "motet_attend_chunk"  # prefill attention: a chunk over its slot's history
 MOE_EXPERTS = "motet_moe_experts"  # a MoE layer's routed experts, quantized
 RMS_NORM = "motet_rms_norm"  # a root-mean-square norm, after a residual add or alone
+QKV_HEADS = "motet_qkv_heads"  # a QKV projection as heads: split, q and k normed, turned
 LIBRARY = "_qmatmul"
 
 
@@ -55,6 +56,7 @@ def _library() -> ctypes.CDLL | None:
     jax.ffi.register_ffi_target(ATTEND_CHUNK, jax.ffi.pycapsule(lib.MotetAttendChunk), platform="cpu")
     jax.ffi.register_ffi_target(MOE_EXPERTS, jax.ffi.pycapsule(lib.MotetMoeExperts), platform="cpu")
     jax.ffi.register_ffi_target(RMS_NORM, jax.ffi.pycapsule(lib.MotetRmsNorm), platform="cpu")
+    jax.ffi.register_ffi_target(QKV_HEADS, jax.ffi.pycapsule(lib.MotetQkvHeads), platform="cpu")
     return lib
 
 

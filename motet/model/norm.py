@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import native
+from .sharding import TP
 
 F32 = jnp.float32
 
@@ -54,3 +55,12 @@ def add_rms_norm(x: jax.Array, y: jax.Array, w: jax.Array, eps: float,
     if not _use_native(use_native, x, y, w):
         return xla(x, y, w)
     return jax.lax.platform_dependent(x, y, w, cpu=lambda x, y, w: _native_call(x, y, w, eps), default=xla)
+
+
+def rms_norm_tp(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """rms_norm over a vector split along tp (this shard holds x's share of the channels):
+    the shards' sums of squares are added (inside shard_map, in XLA)."""
+    x32 = x.astype(F32)
+    total = x.shape[-1] * jax.lax.psum(1, TP)
+    ms = jax.lax.psum(jnp.sum(x32 * x32, axis=-1, keepdims=True), TP) / total
+    return (x32 * jax.lax.rsqrt(ms + eps) * w).astype(x.dtype)
