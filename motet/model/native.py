@@ -50,6 +50,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     lib.motet_qmatmul_isa.restype = ctypes.c_char_p
     lib.motet_qmatmul_select.argtypes = [ctypes.c_char_p]
+    lib.motet_qmatmul_rows_at_once.argtypes = [ctypes.c_int]
     jax.ffi.register_ffi_target(QMATMUL, jax.ffi.pycapsule(lib.MotetQMatmul), platform="cpu")
     jax.ffi.register_ffi_target(QMATMUL_STACKED, jax.ffi.pycapsule(lib.MotetQMatmulStacked), platform="cpu")
     jax.ffi.register_ffi_target(ATTEND_ROWS, jax.ffi.pycapsule(lib.MotetAttendRows), platform="cpu")
@@ -96,6 +97,14 @@ def select_instruction_set(name: str) -> bool:
     False where this CPU lacks it."""
     lib = _library()
     return lib is not None and bool(lib.motet_qmatmul_select(name.encode()))
+
+
+def rows_at_once(rows: int | None = None) -> int:
+    """Weight rows the AVX-512 one-row dots take a pass (4 share each load of x; AMD's
+    CPUs stream faster with 1): set it to 1 or 4 (0: as the CPU's vendor says; tests
+    run both), or None to read it. 0 where the kernels were not built."""
+    lib = _library()
+    return 0 if lib is None else lib.motet_qmatmul_rows_at_once(-1 if rows is None else rows)
 
 
 INSTRUCTION_SETS = ("avx512", "avx2", "base")

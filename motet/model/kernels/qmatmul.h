@@ -76,6 +76,10 @@ inline Packed Packed::moved(int64_t entries) const {
 
 using Impl = void (*)(const QWeights&, const float* x, int64_t m, float* out, const Parallel&);
 
+// Weight rows the AVX-512 one-row dots take in one pass: set by the CPU's vendor, or by
+// motet_qmatmul_rows_at_once (tests run both forms on any CPU). qmatmul_ffi.cc keeps it.
+int avx512_rows_at_once();
+
 // A stack of matrices [count, n, k] in one layout (a layer's experts): matrix e is
 // `first` with its pointers moved e matrices on.
 struct QStack {

@@ -43,6 +43,9 @@ Choice& chosen() {
   return choice;
 }
 
+// 0 until set: then the CPU's vendor decides (matvec_avx512.inc says why)
+std::atomic<int> rows_at_once{0};
+
 // One product's units, claimed one at a time by the calling thread and by helpers on
 // XLA's intra-op pool. The caller alone could run them all, so a helper that starts
 // late (its pool busy) is never waited for; it finds nothing left and returns, which is
@@ -350,7 +353,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetMoeExperts, MoeExperts,
                                                                   "gu_"),
                                                 "down_"));
 
+int motet_qmatmul::avx512_rows_at_once() {
+#if defined(__x86_64__)
+  static const int by_vendor = (__builtin_cpu_init(), __builtin_cpu_is("amd") ? 1 : 4);
+#else
+  static const int by_vendor = 4;
+#endif
+  const int rows = rows_at_once.load(std::memory_order_relaxed);
+  return rows > 0 ? rows : by_vendor;
+}
+
 extern "C" {
+// Weight rows the AVX-512 one-row dots take a pass: 1 or 4 from now on (0: as the CPU's
+// vendor says). Returns the number in effect.
+int motet_qmatmul_rows_at_once(int rows) {
+  if (rows == 0 || rows == 1 || rows == 4) rows_at_once.store(rows, std::memory_order_relaxed);
+  return motet_qmatmul::avx512_rows_at_once();
+}
+
 // The instruction set the kernels use ("avx512", "avx2" or "base").
 const char* motet_qmatmul_isa() { return chosen().name; }
 
