@@ -1,8 +1,10 @@
 """Each native CPU kernel against the XLA computation it replaces, inside the model's own
 jitted steps, side by side in one process: a decode step of 1 and of 16 rows (300
 cached positions each) and a 512-token prefill, with every kernel on, with attention
-(decode and prefill) on XLA, and with the MoE experts on XLA's grouped loop. The variants
-take turns, round after round, and each reports its best round (the machine is shared).
+(decode and prefill) on XLA, with the MoE experts on XLA's grouped loop, and with the
+norms and QKV heads on XLA; with AVX-512, also the one-row dots at 4 and at 1 weight
+rows a pass (the CPU's vendor picks one for "native"). The variants take turns, round
+after round, and each reports its best round (the machine is shared).
 
     .venv/bin/python benchmarks/native_kernels.py [--files default,moe-q4km] [--rounds 3]
 
@@ -49,7 +51,30 @@ def xla_experts():
             lambda: setattr(moe, "experts_grouped", kernel))
 
 
-VARIANTS = {"native": None, "xla attention": xla_attention, "xla experts": xla_experts}
+def xla_norms_and_heads():
+    """The norms, the residual add before the FFN's and the QKV heads on XLA."""
+    kernels = {name: getattr(forward, name) for name in ("rms_norm", "add_rms_norm", "qkv_heads")}
+
+    def install():
+        for name, kernel in kernels.items():
+            setattr(forward, name, partial(kernel, use_native=False))
+
+    def restore():
+        for name, kernel in kernels.items():
+            setattr(forward, name, kernel)
+
+    return install, restore
+
+
+def rows_a_pass(rows: int):
+    """The AVX-512 one-row dots at `rows` weight rows a pass (the CPU's vendor picks one
+    otherwise: 1 on AMD, 4 elsewhere)."""
+    return lambda: (lambda: native.rows_at_once(rows), lambda: native.rows_at_once(0))
+
+
+VARIANTS = {"native": None, "xla attention": xla_attention, "xla experts": xla_experts,
+            "xla norms, heads": xla_norms_and_heads, "4 rows a pass": rows_a_pass(4),
+            "1 row a pass": rows_a_pass(1)}
 
 
 def forget_compiled():
@@ -107,6 +132,7 @@ def main(argv=None) -> int:
     for name, path in files(args.files.split(",")).items():
         model = load_model(path)
         variants = ["native", "xla attention"] + (["xla experts"] if model.config.is_moe else [])
+        variants += ["xla norms, heads"] + (["4 rows a pass", "1 row a pass"] if native.instruction_set() == "avx512" else [])
         results[name] = measure(model, args.rounds, variants)
     print(json.dumps({"isa": native.instruction_set(), "positions": POSITIONS, "rounds": args.rounds,
                       "ms": results}, indent=1))
@@ -114,7 +140,7 @@ def main(argv=None) -> int:
         steps = list(next(iter(table.values())))
         print(f"\n{name} (ms)" + "".join(f"{s:>14}" for s in steps))
         for variant, row in table.items():
-            print(f"{variant:<16}" + "".join(f"{row[s]:14.2f}" for s in steps))
+            print(f"{variant:<18}" + "".join(f"{row[s]:14.2f}" for s in steps))
     return 0
 
 
