@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 
 from motet.model import native
 from motet.model.gguf_quants import REPACK
-from motet.model.quant import QTensor, dequantize, matmul, matmul_stacked, qmatmul, scales_of, stack, stack_rows
+from motet.model.quant import QTensor, as_q8, dequantize, matmul, matmul_stacked, qmatmul, scales_of, stack, stack_rows
 
 # where each format keeps its f16 scales (random bytes there could be inf or NaN)
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
@@ -106,6 +106,8 @@ def layouts():
     # rows shorter than the AVX-512 one-row dots' 64-byte steps: all of them a tail
     yield REPACK["Q4_1"](random_blocks("Q4_1", 5, 96, seed=5))
     yield REPACK["Q8_0"](random_blocks("Q8_0", 6, 96, seed=6))
+    # int8 by 16 with a last 32 values past the dots' steps of 64 (AVX2: a span of its own)
+    yield as_q8(REPACK["Q8_0"](random_blocks("Q8_0", 7, 96, seed=9)), 16)
 
 
 @pytest.mark.skipif(not native.available(), reason="the native kernel was not built")

@@ -38,6 +38,7 @@ inline vf halves(const uint16_t* p) {
 }  // namespace
 }  // namespace motet_qmatmul::avx2
 #define MOTET_VF motet_qmatmul::avx2::vf
+#define MOTET_MATVEC_DOTS "matvec_avx2.inc"
 #include "qmatmul_body.inc"
 #include "attend_body.inc"
 #endif
