@@ -96,7 +96,10 @@ def measure(model, rounds: int, variants: list[str]) -> dict[str, dict[str, floa
     k, v = init_kv(cfg, KVGeometry(n_slots=16, max_context=1024, chunk=PREFILL))
     steps = {}
     for b in (1, 16):
-        rows = tuple(jax.device_put(a) for a in (np.full(b, 5, np.int32), np.arange(b, dtype=np.int32),
+        # a token of its own a row: the same token in every row sends them all to the
+        # same experts, which no batch of conversations does
+        tokens = (np.arange(b, dtype=np.int32) * 997 + 5) % cfg.vocab_size
+        rows = tuple(jax.device_put(a) for a in (tokens, np.arange(b, dtype=np.int32),
                                                  np.full(b, POSITIONS, np.int32)))
         steps[f"decode {b}"] = (lambda rows=rows: forward.decode(weights, k, v, *rows, cfg=cfg), 20)
     tokens = jax.device_put(np.arange(PREFILL, dtype=np.int32) % 1000)

@@ -133,8 +133,9 @@ def test_the_kernel_equals_the_xla_path(isa):
                 for rows in (1, 4) if m == 1 else (0,):
                     native.rows_at_once(rows)
                     kernel = np.asarray(jax.jit(lambda x, w: qmatmul(x, w, use_native=True))(x, w))
-                    # one row runs with x quantized to int16 per 32 values; more in float32
-                    tolerance = 1e-4 if m == 1 else 1e-5
+                    # the one-row dots quantize x to int16 per 32 values (AVX2 gives them
+                    # up to three rows, one by one); more rows run in float32
+                    tolerance = 1e-4 if m <= 3 else 1e-5
                     assert np.abs(kernel - want).max() / scale < tolerance, (w.source, m, rows)
                     assert np.abs(kernel - xla).max() / scale < tolerance, (w.source, m, rows)
     finally:
