@@ -30,40 +30,23 @@ POSITIONS = 300
 PREFILL = 512
 
 
-def xla_attention():
-    """Decode and prefill attention on XLA: (install, restore)."""
-    kernels = {name: getattr(forward, name) for name in ("attend_rows", "attend_chunk")}
+def on_xla(module, *names):
+    """A variant with those kernels of `module` forced onto their XLA computation: a
+    factory of (install, restore)."""
+    def switch():
+        kernels = {name: getattr(module, name) for name in names}
 
-    def install():
-        for name, kernel in kernels.items():
-            setattr(forward, name, partial(kernel, use_native=False))
+        def install():
+            for name, kernel in kernels.items():
+                setattr(module, name, partial(kernel, use_native=False))
 
-    def restore():
-        for name, kernel in kernels.items():
-            setattr(forward, name, kernel)
+        def restore():
+            for name, kernel in kernels.items():
+                setattr(module, name, kernel)
 
-    return install, restore
+        return install, restore
 
-
-def xla_experts():
-    kernel = moe.experts_grouped
-    return (lambda: setattr(moe, "experts_grouped", partial(kernel, use_native=False)),
-            lambda: setattr(moe, "experts_grouped", kernel))
-
-
-def xla_norms_and_heads():
-    """The norms, the residual add before the FFN's and the QKV heads on XLA."""
-    kernels = {name: getattr(forward, name) for name in ("rms_norm", "add_rms_norm", "qkv_heads")}
-
-    def install():
-        for name, kernel in kernels.items():
-            setattr(forward, name, partial(kernel, use_native=False))
-
-    def restore():
-        for name, kernel in kernels.items():
-            setattr(forward, name, kernel)
-
-    return install, restore
+    return switch
 
 
 def rows_a_pass(rows: int):
@@ -72,9 +55,12 @@ def rows_a_pass(rows: int):
     return lambda: (lambda: native.rows_at_once(rows), lambda: native.rows_at_once(0))
 
 
-VARIANTS = {"native": None, "xla attention": xla_attention, "xla experts": xla_experts,
-            "xla norms, heads": xla_norms_and_heads, "4 rows a pass": rows_a_pass(4),
-            "1 row a pass": rows_a_pass(1)}
+VARIANTS = {"native": None,
+            "xla attention": on_xla(forward, "attend_rows", "attend_chunk"),  # decode and prefill
+            "xla experts": on_xla(moe, "experts_grouped"),
+            # the norms, the residual add before the FFN's, the QKV heads
+            "xla norms, heads": on_xla(forward, "rms_norm", "add_rms_norm", "qkv_heads"),
+            "4 rows a pass": rows_a_pass(4), "1 row a pass": rows_a_pass(1)}
 
 
 def forget_compiled():
