@@ -7,6 +7,9 @@ rows a pass (the CPU's vendor picks one for "native"). The variants take turns, 
 after round, and each reports its best round (the machine is shared).
 
     .venv/bin/python benchmarks/native_kernels.py [--files default,moe-q4km] [--rounds 3]
+        [--decode 1,16] [--prefill 512] [--variants native,...]
+
+--variants native times a build's own steps alone (to compare builds, run it under each).
 
 moe-q4km is the generated MoE of benchmarks/moe_gguf.py, made by llama.cpp's quantizer
 (llama-cpp-python) on first use and cached. Prints one JSON object, then a table (ms).
@@ -77,19 +80,22 @@ def mean_ms(call, calls: int) -> float:
     return (time.perf_counter() - started) / calls * 1e3
 
 
-def measure(model, rounds: int, variants: list[str]) -> dict[str, dict[str, float]]:
+def measure(model, rounds: int, variants: list[str], decode_rows=(1, 16),
+            prefill=PREFILL) -> dict[str, dict[str, float]]:
     cfg, weights = model.config, model.weights
-    k, v = init_kv(cfg, KVGeometry(n_slots=16, max_context=1024, chunk=PREFILL))
+    k, v = init_kv(cfg, KVGeometry(n_slots=16, max_context=1024, chunk=max(prefill, 16)))
     steps = {}
-    for b in (1, 16):
+    for b in decode_rows:
         # a token of its own a row: the same token in every row sends them all to the
         # same experts, which no batch of conversations does
         tokens = (np.arange(b, dtype=np.int32) * 997 + 5) % cfg.vocab_size
         rows = tuple(jax.device_put(a) for a in (tokens, np.arange(b, dtype=np.int32),
                                                  np.full(b, POSITIONS, np.int32)))
         steps[f"decode {b}"] = (lambda rows=rows: forward.decode(weights, k, v, *rows, cfg=cfg), 20)
-    tokens = jax.device_put(np.arange(PREFILL, dtype=np.int32) % 1000)
-    steps[f"prefill {PREFILL}"] = (lambda: forward.prefill(weights, k, v, tokens, 0, 0, PREFILL, cfg=cfg)[0], 2)
+    if prefill:
+        tokens = jax.device_put(np.arange(prefill, dtype=np.int32) % 1000)
+        steps[f"prefill {prefill}"] = (
+            lambda: forward.prefill(weights, k, v, tokens, 0, 0, prefill, cfg=cfg)[0], 2)
     best: dict[str, dict[str, float]] = {name: {} for name in variants}
     for _ in range(rounds):
         for name in variants:
@@ -111,6 +117,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--files", default="default,moe-q4km")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--decode", default="1,16", help="rows of the decode steps timed")
+    parser.add_argument("--prefill", type=int, default=PREFILL, help="tokens of the prefill timed (0: none)")
+    parser.add_argument("--variants", default="", help="only these, comma-separated (default: all that apply)")
     args = parser.parse_args(argv)
     if not native.available():
         print("the native kernels were not built here: nothing to compare", file=sys.stderr)
@@ -122,7 +131,10 @@ def main(argv=None) -> int:
         model = load_model(path)
         variants = ["native", "xla attention"] + (["xla experts"] if model.config.is_moe else [])
         variants += ["xla norms, heads"] + (["4 rows a pass", "1 row a pass"] if native.instruction_set() == "avx512" else [])
-        results[name] = measure(model, args.rounds, variants)
+        if args.variants:
+            variants = [v for v in variants if v in args.variants.split(",")]
+        results[name] = measure(model, args.rounds, variants, tuple(int(b) for b in args.decode.split(",")),
+                                args.prefill)
     print(json.dumps({"isa": native.instruction_set(), "positions": POSITIONS, "rounds": args.rounds,
                       "ms": results}, indent=1))
     for name, table in results.items():
