@@ -186,21 +186,21 @@ async def motet_runs(model, runs: list[Workload], context: int) -> list[dict]:
 
 
 def bare_step_ms(model, context: int, repeats: int = 30) -> float:
-    """One row's decode step with nothing around it: the jitted step, its KV write and
-    greedy sampling, the token read back to the host each step (as the engine must)."""
-    from motet.model.generate import decode_padded
+    """One row's decode step with nothing around it: the engine's jitted step with its
+    greedy sampling, its KV write, the token read back to the host each step (as the
+    engine must)."""
+    from motet.model.generate import decode_and_sample
     from motet.model.kv import KVGeometry, init_kv
-    from motet.model.sampling import sample
 
     geo = KVGeometry(n_slots=STREAMS, max_context=context, chunk=256)
     kv = init_kv(model.config, geo, model.kv_dtype)
-    temp, top_p, keys = np.zeros(1, np.float32), np.ones(1, np.float32), np.zeros((1, 2), np.uint32)
+    greedy = (np.zeros(1, np.float32), np.ones(1, np.float32), np.zeros((1, 2), np.uint32))
     token, best = 1, float("inf")
     for attempt in range(4):  # the first compiles
         started = time.perf_counter()
         for i in range(repeats):
-            logits, kv, _ = decode_padded(model, kv, geo, [token], [0], [64 + i])
-            token = int(np.asarray(sample(logits, temp, top_p, keys, False)[0])[0])
+            drawn, kv, _ = decode_and_sample(model, kv, geo, [token], [0], [64 + i], greedy, False)
+            token = int(drawn[0][0])
         if attempt:
             best = min(best, (time.perf_counter() - started) / repeats)
     return best * 1e3

@@ -17,9 +17,9 @@ from ..model.compilation import compile_workers, compiling_ahead
 from ..model.expert_pool import DEVICE, ExpertPool, Placement
 from ..model.expert_source import ArrayExpertReader
 from ..model.attention import ATTN_BLOCK
-from ..model.forward import lower_decode, lower_prefill
-from ..model.generate import decode_padded, model_kv_sharding, prefill_slot
-from ..model.kv import KVGeometry, init_kv, read_slot_layer, write_slot_layer
+from ..model.forward import lower_decode, lower_decode_sampled, lower_prefill
+from ..model.generate import decode_and_sample, model_kv_sharding, prefill_slot
+from ..model.kv import KVGeometry, batch_bucket, init_kv, read_slot_layer, write_slot_layer
 from ..model.model import Model
 from ..model.sampling import request_key, sample
 from ..model.sharding import TP, MeshSpec, mesh_axis, mesh_of, model_mesh, place_weights
@@ -120,7 +120,9 @@ class ModelRunner:
         self._mirror(Op.START, geo.n_slots, geo.max_context, geo.chunk, fingerprint(model))
         dtype = model.weights["lm_head"].dtype
         self.kv = init_kv(cfg, geo, model.kv_dtype, model_kv_sharding(model))
-        # Seconds spent sampling so far: the scheduler splits a step's time with it.
+        # Seconds spent sampling in calls of their own (after a prefill, and tiered decode
+        # steps; a resident decode step samples inside its own call): the scheduler splits
+        # a step's time with it.
         self.sample_seconds = 0.0
         self.shared_bytes = shared_weight_bytes(model.weights)
         self.tiered: TieredModel | None = None
@@ -178,41 +180,23 @@ class ModelRunner:
     def decode(self, tokens: list[int], slots: list[int], positions: list[int],
                rows: list[SamplingRow]) -> list[Sampled]:
         """One batched step: each row feeds its token at its position in its slot, then
-        samples its next token."""
+        samples its next token (in the step's own compiled call, but for tiered experts)."""
         self._mirror(Op.DECODE, tokens, slots, positions, rows)
         if self.tiered is not None:
             logits, self.kv, experts = self.tiered.decode_padded(self.kv, self.geo, tokens, slots, positions)
-        else:
-            logits, self.kv, experts = decode_padded(self.model, self.kv, self.geo, tokens, slots, positions)
-        return self._sample(logits, rows, experts.transpose(1, 0, 2))
+            return self._sample(logits, rows, experts.transpose(1, 0, 2))
+        sampling = sampling_arrays(rows, batch_bucket(len(rows)))
+        drawn, self.kv, experts = decode_and_sample(self.model, self.kv, self.geo, tokens, slots, positions,
+                                                    sampling, any(r.want_top for r in rows))
+        return sampled_rows(rows, drawn, experts)
 
     def _sample(self, logits, rows: list[SamplingRow], experts: np.ndarray) -> list[Sampled]:
-        """logits [bucket, vocab]: the rows, then padding rows (sampled greedily, dropped:
-        one compiled sampler per batch bucket, not per number of rows). experts: per
-        row, the routing of what it fed in, [rows, MoE layers, ...]."""
+        """logits [bucket, vocab]: the rows, then padding rows. experts: as sampled_rows."""
         t = time.perf_counter()
-        padded = rows + [FILLER_ROW] * (logits.shape[0] - len(rows))
-        tokens, logprobs, keys, top_ids, top_lp = sample(
-            logits,
-            np.asarray([r.temperature for r in padded], np.float32),
-            np.asarray([r.top_p for r in padded], np.float32),
-            np.stack([r.key for r in padded]).astype(np.uint32),
-            any(r.want_top for r in rows),
-        )
-        tokens, logprobs, keys, top_ids, top_lp = (
-            np.asarray(a) for a in (tokens, logprobs, keys, top_ids, top_lp)
-        )
+        drawn = sample(logits, *sampling_arrays(rows, logits.shape[0]), any(r.want_top for r in rows))
+        drawn = jax.device_get(drawn)
         self.sample_seconds += time.perf_counter() - t
-        return [
-            Sampled(
-                token=int(tokens[i]),
-                logprob=float(logprobs[i]),
-                next_key=keys[i],
-                top=tuple(zip(top_ids[i].tolist(), top_lp[i].tolist())) if r.want_top else (),
-                experts=experts[i],
-            )
-            for i, r in enumerate(rows)
-        ]
+        return sampled_rows(rows, drawn, experts)
 
     # ---- warm-up: every shape compiled before the engine is ready ------------------------
 
@@ -247,7 +231,8 @@ class ModelRunner:
         weights = self.model.weights if self.tiered is None else self.tiered.pooled_weights()
         impl = "auto" if self.tiered is None else self.tiered.impl
         for shape in plan.shapes:
-            lower = {PREFILL: lower_prefill, DECODE: lower_decode}.get(shape.kind)
+            decode = lower_decode if self.tiered is not None else lower_decode_sampled
+            lower = {PREFILL: lower_prefill, DECODE: decode}.get(shape.kind)
             if lower is not None:
                 yield shape, partial(lower, weights, k, v, shape.size, cfg=self.model.config, moe_impl=impl)
 
@@ -330,6 +315,32 @@ class ModelRunner:
             (self.shared_bytes + pool.device_bytes()) / 1e9, pool.ram_bytes() / 1e9, pool.C,
             *(int(x) for x in self.totals), gpus=_gpus(device),
         )
+
+
+def sampling_arrays(rows: list[SamplingRow], bucket: int):
+    """sample's (temperature, top_p, keys) for `rows`, then padding rows up to `bucket`
+    (sampled greedily, dropped: one compiled sampler per batch bucket, not per number
+    of rows)."""
+    padded = rows + [FILLER_ROW] * (bucket - len(rows))
+    return (np.asarray([r.temperature for r in padded], np.float32),
+            np.asarray([r.top_p for r in padded], np.float32),
+            np.stack([r.key for r in padded]).astype(np.uint32))
+
+
+def sampled_rows(rows: list[SamplingRow], drawn, experts: np.ndarray) -> list[Sampled]:
+    """sample's outputs (host arrays over the padded batch) as one Sampled per row.
+    experts: per row, the routing of what it fed in, [rows, MoE layers, ...]."""
+    tokens, logprobs, keys, top_ids, top_lp = drawn
+    return [
+        Sampled(
+            token=int(tokens[i]),
+            logprob=float(logprobs[i]),
+            next_key=keys[i],
+            top=tuple(zip(top_ids[i].tolist(), top_lp[i].tolist())) if r.want_top else (),
+            experts=experts[i],
+        )
+        for i, r in enumerate(rows)
+    ]
 
 
 def shared_model_weights(weights: dict) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def request_key(seed: int) -> jax.Array:
@@ -64,3 +65,24 @@ def sample(logits, temperature, top_p, keys, want_top=False):
 
     top_ids, top_lp = jax.lax.cond(want_top, top, none, None)
     return tokens, token_logprob, jax.random.key_data(nxt), top_ids, top_lp
+
+
+SAMPLED_WIDTH = 4 + 2 * TOP_CANDIDATES  # token, logprob, key (2), top ids, top logprobs
+
+
+def pack_sampled(drawn) -> jax.Array:
+    """sample's outputs as one int32 array [b, SAMPLED_WIDTH], floats by their bits: read
+    back in one transfer, where five cost 0.25 ms a step more (measured)."""
+    tokens, logprob, keys, top_ids, top_lp = drawn
+
+    def bits(a):
+        return jax.lax.bitcast_convert_type(a, jnp.int32)
+
+    return jnp.concatenate([tokens[:, None], bits(logprob)[:, None], bits(keys), top_ids, bits(top_lp)], axis=1)
+
+
+def unpack_sampled(packed: np.ndarray):
+    """pack_sampled's array, read back: sample's outputs as host arrays (views of it)."""
+    top = 4 + TOP_CANDIDATES
+    return (packed[:, 0], packed[:, 1].view(np.float32), packed[:, 2:4].view(np.uint32),
+            packed[:, 4:top], packed[:, top:SAMPLED_WIDTH].view(np.float32))
