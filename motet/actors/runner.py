@@ -17,8 +17,8 @@ from ..model.compilation import compile_workers, compiling_ahead
 from ..model.expert_pool import DEVICE, ExpertPool, Placement
 from ..model.expert_source import ArrayExpertReader
 from ..model.attention import ATTN_BLOCK
-from ..model.forward import lower_decode, lower_decode_sampled, lower_prefill
-from ..model.generate import decode_and_sample, model_kv_sharding, prefill_slot
+from ..model.forward import empty_carry, lower_decode, lower_decode_sampled, lower_prefill
+from ..model.generate import dispatch_decode, model_kv_sharding, prefill_slot, read_decode
 from ..model.kv import KVGeometry, batch_bucket, init_kv, read_slot_layer, write_slot_layer
 from ..model.model import Model
 from ..model.sampling import request_key, sample
@@ -62,6 +62,16 @@ class Sampled:
     next_key: np.ndarray
     top: tuple[tuple[int, float], ...]  # (token id, logprob) best first; empty unless asked
     experts: np.ndarray  # the experts that computed the token fed in: [MoE layers, k...]
+
+
+@dataclass(frozen=True)
+class DecodeInFlight:
+    """A decode step dispatched and not yet read back: its rows, and its output on the
+    device (tiered: its results, sampled already)."""
+
+    rows: tuple[SamplingRow, ...]
+    packed: object = None
+    results: tuple[Sampled, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -120,6 +130,8 @@ class ModelRunner:
         self._mirror(Op.START, geo.n_slots, geo.max_context, geo.chunk, fingerprint(model))
         dtype = model.weights["lm_head"].dtype
         self.kv = init_kv(cfg, geo, model.kv_dtype, model_kv_sharding(model))
+        # per slot, what its last decode step sampled
+        self.carry = empty_carry(geo.scratch_slot + 1, mesh_of(model.weights))
         # Seconds spent sampling in calls of their own (after a prefill, and tiered decode
         # steps; a resident decode step samples inside its own call): the scheduler splits
         # a step's time with it.
@@ -177,18 +189,42 @@ class ModelRunner:
         when its call returns). Not mirrored: a wait on this process's own devices."""
         jax.block_until_ready(self.kv)
 
+    @property
+    def chains(self) -> bool:
+        """Whether a decode step may take its rows' tokens from the step before it on the
+        device (dispatch's chained). Not with tiered experts: their pool moves between
+        steps on the host, after reading the routing of the step before."""
+        return self.tiered is None
+
     def decode(self, tokens: list[int], slots: list[int], positions: list[int],
-               rows: list[SamplingRow]) -> list[Sampled]:
-        """One batched step: each row feeds its token at its position in its slot, then
-        samples its next token (in the step's own compiled call, but for tiered experts)."""
-        self._mirror(Op.DECODE, tokens, slots, positions, rows)
+               rows: list[SamplingRow], chained: list[bool] = ()) -> list[Sampled]:
+        """One batched step, dispatched and read back (see dispatch)."""
+        return self.collect(self.dispatch(tokens, slots, positions, rows, chained))
+
+    def dispatch(self, tokens: list[int], slots: list[int], positions: list[int],
+                 rows: list[SamplingRow], chained: list[bool] = ()) -> DecodeInFlight:
+        """Start one batched step: each row feeds its token at its position in its slot,
+        then samples its next token (in the step's own compiled call, but for tiered
+        experts). A row with chained[i] set goes on from the last step that fed its slot:
+        it feeds the token that step sampled, with the key it left (tokens[i] and
+        rows[i].key are not read), whether or not that step has been collected."""
+        self._mirror(Op.DECODE, tokens, slots, positions, rows, list(chained))
         if self.tiered is not None:
+            if any(chained):
+                raise ValueError("tiered decode steps do not chain (ModelRunner.chains)")
             logits, self.kv, experts = self.tiered.decode_padded(self.kv, self.geo, tokens, slots, positions)
-            return self._sample(logits, rows, experts.transpose(1, 0, 2))
+            return DecodeInFlight(tuple(rows), results=tuple(self._sample(logits, rows, experts.transpose(1, 0, 2))))
         sampling = sampling_arrays(rows, batch_bucket(len(rows)))
-        drawn, self.kv, experts = decode_and_sample(self.model, self.kv, self.geo, tokens, slots, positions,
-                                                    sampling, any(r.want_top for r in rows))
-        return sampled_rows(rows, drawn, experts)
+        packed, self.kv, self.carry = dispatch_decode(self.model, self.kv, self.geo, tokens, slots, positions,
+                                                      sampling, any(r.want_top for r in rows), self.carry, chained)
+        return DecodeInFlight(tuple(rows), packed)
+
+    def collect(self, step: DecodeInFlight) -> list[Sampled]:
+        """A dispatched step's results, one per row (waiting for the device)."""
+        if step.packed is None:
+            return list(step.results)
+        drawn, experts = read_decode(self.model, step.packed, len(step.rows))
+        return sampled_rows(list(step.rows), drawn, experts)
 
     def _sample(self, logits, rows: list[SamplingRow], experts: np.ndarray) -> list[Sampled]:
         """logits [bucket, vocab]: the rows, then padding rows. experts: as sampled_rows."""

@@ -43,7 +43,7 @@ from ..runtime.experts import REPIN_KEPT, device_moves, turn_entropy, turn_perf
 from .expert_cache import ExpertCache, TurnEnded
 from .kv_slot import Claim, Extend, KVSlot, Probe, Release, SetHistory
 from .policy import StopMatcher, choose_slot
-from .runner import ExpertStep, ModelRunner, Sampled, SamplingRow
+from .runner import DecodeInFlight, ExpertStep, ModelRunner, Sampled, SamplingRow
 from .slot_io import FreeSlot, HoldSlot, ReadLayers, WriteLayers
 
 log = logging.getLogger(__name__)
@@ -185,6 +185,8 @@ class Scheduler:
         self.closing = False
         self.drained: list[trio.MemorySendChannel] = []
         self.held: set[int] = set()  # slots whose KV is being saved or installed
+        # a decode step dispatched and not yet read back: its rows and the runner's handle
+        self.ahead: tuple[list[Active], DecodeInFlight] | None = None
 
     # ---- the loop -------------------------------------------------------------------
 
@@ -410,19 +412,30 @@ class Scheduler:
         await self._accept_token(act, sampled)
 
     async def _decode_step(self):
-        acts = [self.active[rid] for rid in self.decoding]
+        """Read one decode step back and hand out its tokens. When the runner chains
+        steps, the step after it is dispatched first, its continuing rows fed on the
+        device with the tokens this one sampled: the device computes step t + 1 while
+        the host reads, detokenizes and sends step t. A row that turns out to have ended
+        at step t has computed one token more, which is dropped (its KV past the slot's
+        history is never read)."""
+        current = self.ahead
+        fresh = None if current is not None else self._decode_rows([])
+        unread = current[0] if current is not None else fresh[0]
+        following = self._decode_rows(unread) if self.runner.chains else ([], None)
         started, sampling = time.perf_counter(), self.runner.sample_seconds
-        results, step = await self._on_device(
-            self.runner.decode,
-            [a.next_token for a in acts],
-            [a.slot for a in acts],
-            [a.position for a in acts],
-            [a.sampling_row() for a in acts],
-        )
+
+        def work():
+            step = current or (fresh[0], self.runner.dispatch(*fresh[1]))
+            after = (following[0], self.runner.dispatch(*following[1])) if following[0] else None
+            return step[0], self.runner.collect(step[1]), after
+
+        (acts, results, self.ahead), step = await self._on_device(work)
         sample_s = self.runner.sample_seconds - sampling
         decode_s = time.perf_counter() - started - sample_s
-        self._publish_routing([r.experts for r in results], len(acts), step)
-        for act, sampled in zip(acts, results):
+        # a row that ended after this step was dispatched computed a token nobody reads
+        live = [(act, sampled) for act, sampled in zip(acts, results) if self._decoding(act)]
+        self._publish_routing([sampled.experts for _, sampled in live], len(live), step)
+        for act, sampled in live:
             act.count_step(step)
             act.decode_s += decode_s
             act.sample_s += sample_s
@@ -430,6 +443,33 @@ class Scheduler:
             act.position += 1
             if act.rid in self.active:
                 await self._accept_token(act, sampled)
+        if self.ahead is not None and not any(self._decoding(a) for a in self.ahead[0]):
+            self.ahead = None
+
+    def _decode_rows(self, unread: list[Active]):
+        """The rows of the next decode step and the runner's arguments for them. unread:
+        the rows of a step dispatched and not yet read back; those that go on are chained
+        to it (their token is on the device), unless they end at it for their length.
+        Every other decoding row feeds its token from the host."""
+        rows = [a for a in unread if self._decoding(a) and not self._ends_at_unread_step(a)]
+        chained = [True] * len(rows)
+        waiting = set(map(id, unread))
+        for rid in self.decoding:
+            act = self.active[rid]
+            if id(act) not in waiting:
+                rows.append(act)
+                chained.append(False)
+        tokens = [0 if link else a.next_token for a, link in zip(rows, chained)]
+        positions = [a.position + link for a, link in zip(rows, chained)]
+        args = (tokens, [a.slot for a in rows], positions, [a.sampling_row() for a in rows], chained)
+        return rows, args
+
+    def _ends_at_unread_step(self, act: Active) -> bool:
+        """Whether the unread step `act` is in ends it for its length, whatever it samples."""
+        return act.emitted + 1 >= act.request.max_tokens or act.position + 2 >= self.max_context
+
+    def _decoding(self, act: Active) -> bool:
+        return self.active.get(act.rid) is act and act.rid in self.decoding
 
     async def _on_device(self, call, *args):
         """Run a runner call in the device thread, after the expert cache's newest

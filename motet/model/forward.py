@@ -22,7 +22,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .attention import attend_chunk, attend_rows
 from .config import ModelConfig
@@ -205,25 +205,52 @@ def _decode(weights, k_cache, v_cache, tokens, slots, positions, *, cfg, moe_imp
                     (k_cache, v_cache), (tokens, slots, positions), (split, split), sum(cfg.moe_layers))
 
 
-def decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, sampling, want_top, *, cfg,
-                   moe_impl="auto"):
+def decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, sampling, want_top, carry, chained, *,
+                   cfg, moe_impl="auto"):
     """decode, and each row's next token drawn from its logits by sampling.sample in the
     same compiled call: one dispatch and one read-back a step instead of several (0.5 ms
     of a 5 ms MoE step, measured). sampling: sample's (temperature, top_p, keys) for
-    every row; want_top: a bool array. Returns (new K rows per layer, new V rows per
-    layer, [b, SAMPLED_WIDTH + MoE layers · k] int32: sampling.pack_sampled's columns,
-    then the expert ids of each MoE layer in turn)."""
-    return _decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, sampling, want_top,
-                           cfg=cfg, moe_impl=moe_impl, mesh=mesh_of(weights))
+    every row; want_top: a bool array.
+
+    carry [slots + 1, 4] int32: per KV slot, what the last step that fed it sampled
+    (pack_sampled's first four columns: token, logprob, key). A row with chained[i]
+    set feeds the token and uses the key its slot's carry holds, in place of tokens[i]
+    and keys[i]: a step can be dispatched before the host has read the one before it.
+
+    Returns (new K rows per layer, new V rows per layer, [b, SAMPLED_WIDTH + MoE layers
+    · k] int32: sampling.pack_sampled's columns, then the expert ids of each MoE layer
+    in turn, the carry with the rows' slots updated)."""
+    return _decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, sampling, want_top, carry,
+                           chained, cfg=cfg, moe_impl=moe_impl, mesh=mesh_of(weights))
+
+
+CARRY_WIDTH = 4
 
 
 @partial(jax.jit, static_argnames=("cfg", "moe_impl", "mesh"))
-def _decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, sampling, want_top, *, cfg,
-                    moe_impl, mesh):
+def _decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, sampling, want_top, carry, chained, *,
+                    cfg, moe_impl, mesh):
+    temperature, top_p, keys = sampling
+    held = carry[slots]
+    tokens = jnp.where(chained, held[:, 0], tokens)
+    keys = jnp.where(chained[:, None], jax.lax.bitcast_convert_type(held[:, 2:4], jnp.uint32), keys)
     logits, new_k, new_v, routing = _decode(weights, k_cache, v_cache, tokens, slots, positions, cfg=cfg,
                                             moe_impl=moe_impl, mesh=mesh)
-    packed = [pack_sampled(sample(logits, *sampling, want_top))] + [ids.astype(jnp.int32) for ids in routing]
-    return new_k, new_v, jnp.concatenate(packed, axis=1)
+    drawn = pack_sampled(sample(logits, temperature, top_p, keys, want_top))
+    carry = carry.at[slots].set(drawn[:, :CARRY_WIDTH])
+    if mesh is not None:  # as empty_carry placed it: one signature for every step
+        carry = jax.lax.with_sharding_constraint(carry, NamedSharding(mesh, P()))
+    packed = jnp.concatenate([drawn] + [ids.astype(jnp.int32) for ids in routing], axis=1)
+    return new_k, new_v, packed, carry
+
+
+def empty_carry(slots: int, mesh: Mesh | None = None) -> jax.Array:
+    """decode_sampled's carry for a cache of `slots` slots (the scratch slot included),
+    before any step: an array placed as the steps return it (a host array, or one on
+    another placement, would make jit compile the step again for the second call).
+    mesh: the weights' mesh, where the carry is held whole on every device."""
+    carry = jnp.zeros((slots, CARRY_WIDTH), jnp.int32)
+    return carry if mesh is None else jax.device_put(carry, NamedSharding(mesh, P()))
 
 
 def lower_decode_sampled(weights, k_cache, v_cache, batch: int, *, cfg, moe_impl="auto"):
@@ -231,8 +258,10 @@ def lower_decode_sampled(weights, k_cache, v_cache, batch: int, *, cfg, moe_impl
     lower_prefill)."""
     rows = jax.device_put(np.zeros(batch, np.int32))
     sampling = (np.zeros(batch, np.float32), np.ones(batch, np.float32), np.zeros((batch, 2), np.uint32))
-    return _decode_sampled.trace(weights, k_cache, v_cache, rows, rows, rows, sampling, np.bool_(False),
-                                 cfg=cfg, moe_impl=moe_impl, mesh=mesh_of(weights)).lower()
+    carry = empty_carry(k_cache[0].shape[0], mesh_of(weights))
+    return _decode_sampled.trace(weights, k_cache, v_cache, rows, rows, rows, sampling, np.bool_(False), carry,
+                                 np.zeros(batch, np.bool_), cfg=cfg, moe_impl=moe_impl,
+                                 mesh=mesh_of(weights)).lower()
 
 
 def lower_decode(weights, k_cache, v_cache, batch: int, *, cfg, moe_impl="auto"):

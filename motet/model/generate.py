@@ -92,30 +92,40 @@ def decode_padded(model: Model, kv, geo: KVGeometry, tokens: Sequence[int], slot
     """decode_step with the logits of every row of the padded batch, [bucket, vocab] (what
     a batched sampler takes without a cut that would compile once per row count), and
     the routing of the real rows."""
-    tok, slot, pos = padded_rows(geo, tokens, slots, positions)  # as decode_and_sample
+    tok, slot, pos = padded_rows(geo, tokens, slots, positions)  # as dispatch_decode
     k, v = kv
     logits, new_k, new_v, chosen = decode(model.weights, k, v, tok, slot, pos, cfg=model.config,
                                           moe_impl=moe_impl)
     return logits, write_rows(k, v, new_k, new_v, slot, pos), _routing(chosen, len(tokens))
 
 
-def decode_and_sample(model: Model, kv, geo: KVGeometry, tokens: Sequence[int], slots: Sequence[int],
-                      positions: Sequence[int], sampling, want_top: bool, moe_impl: str = "auto"):
-    """decode_padded and sampling.sample in one compiled call. sampling: sample's
-    (temperature, top_p, keys), host arrays over the padded batch. Returns (sample's
-    outputs as host arrays over the padded batch, the updated kv, the routing of the
-    real rows [rows, MoE layers, k])."""
+def dispatch_decode(model: Model, kv, geo: KVGeometry, tokens: Sequence[int], slots: Sequence[int],
+                    positions: Sequence[int], sampling, want_top: bool, carry, chained: Sequence[bool] = (),
+                    moe_impl: str = "auto"):
+    """decode_padded and sampling.sample in one compiled call, dispatched and not waited
+    for. sampling: sample's (temperature, top_p, keys), host arrays over the padded
+    batch; carry, chained: as forward.decode_sampled (chained: per real row, none set
+    when empty). Returns (the step's packed output on the device, for read_decode; the
+    updated kv; the updated carry)."""
     # host arrays go to the calls as they are: jax.device_put takes 70 µs an array here,
     # the call itself 10 µs more
     tok, slot, pos = padded_rows(geo, tokens, slots, positions)
+    link = np.zeros(len(tok), np.bool_)
+    link[: len(chained)] = chained
     k, v = kv
-    new_k, new_v, packed = decode_sampled(model.weights, k, v, tok, slot, pos, sampling, np.bool_(want_top),
-                                          cfg=model.config, moe_impl=moe_impl)
-    kv = write_rows(k, v, new_k, new_v, slot, pos)
+    new_k, new_v, packed, carry = decode_sampled(model.weights, k, v, tok, slot, pos, sampling,
+                                                 np.bool_(want_top), carry, link, cfg=model.config,
+                                                 moe_impl=moe_impl)
+    return packed, write_rows(k, v, new_k, new_v, slot, pos), carry
+
+
+def read_decode(model: Model, packed, rows: int):
+    """A dispatched step's output read back (waiting for it): (sample's outputs as host
+    arrays over the padded batch, the routing of the real rows [rows, MoE layers, k])."""
     packed = np.asarray(packed)
-    cfg, n = model.config, len(tokens)
-    routing = packed[:n, SAMPLED_WIDTH:].reshape(n, sum(cfg.moe_layers), cfg.n_experts_per_tok)
-    return unpack_sampled(packed[:, :SAMPLED_WIDTH]), kv, routing
+    cfg = model.config
+    routing = packed[:rows, SAMPLED_WIDTH:].reshape(rows, sum(cfg.moe_layers), cfg.n_experts_per_tok)
+    return unpack_sampled(packed[:, :SAMPLED_WIDTH]), routing
 
 
 def generate(model: Model, prompt_ids: Sequence[int], *, max_tokens: int, temperature: float = 0.0,

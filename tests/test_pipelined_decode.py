@@ -1,0 +1,124 @@
+"""Pipelined decode: a step dispatched before the one it follows has been read back
+takes that step's sampled tokens and PRNG keys on the device (ModelRunner.dispatch's
+`chained`), and draws exactly what a step fed from the host would have drawn. The
+scheduler runs every resident decode this way; these tests pin the runner's half, and
+the engine's against the plain one-step-at-a-time generator."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import pytest
+import trio
+
+from conftest import TINY_ARCHS, TINY_GEO
+from motet.actors.expert_policy import ExpertPlan
+from motet.actors.runner import ModelRunner, SamplingRow
+from motet.engine import Engine
+from motet.model.generate import generate
+
+SAMPLED = dict(temperature=0.8, top_p=0.95)
+
+
+def prompt_of(model, length: int, salt: int) -> list[int]:
+    rng = np.random.default_rng(salt)
+    return rng.integers(3, model.config.vocab_size, size=length).tolist()
+
+
+def row(key, want_top=True) -> SamplingRow:
+    return SamplingRow(SAMPLED["temperature"], SAMPLED["top_p"], key, want_top)
+
+
+def as_tuple(s):
+    return s.token, s.logprob, tuple(s.next_key.tolist()), s.top, s.experts.tolist()
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_chained_steps_draw_what_host_fed_steps_draw(tiny_model, arch):
+    """Slot 0 is fed from the host and read back after every step; slot 1 runs the same
+    request with every step chained to the one before and nothing read until the end."""
+    model = tiny_model(arch)
+    runner = ModelRunner(model, TINY_GEO)
+    prompt = prompt_of(model, 9, 1)
+    key = runner.new_key(7)
+    first = [runner.prefill(slot, prompt, 0, row(key)) for slot in (0, 1)]
+    assert as_tuple(first[0]) == as_tuple(first[1])
+
+    host, sampled = [], first[0]
+    for i in range(6):
+        sampled = runner.decode([sampled.token], [0], [len(prompt) + i], [row(sampled.next_key)])[0]
+        host.append(sampled)
+
+    chained = []
+    for i in range(6):
+        link = i > 0  # the first step feeds the prefill's token from the host
+        token = 0 if link else first[1].token
+        chained.append(runner.dispatch([token], [1], [len(prompt) + i], [row(first[1].next_key)], [link]))
+    chained = [runner.collect(step)[0] for step in chained]
+    assert [as_tuple(s) for s in chained] == [as_tuple(s) for s in host]
+
+
+def test_a_step_mixes_chained_rows_rows_from_the_host_and_rows_left_out(tiny_model):
+    """Three requests in slots 2, 3 and 5: slot 3 is left out of the second step (as a
+    row that ended), slot 5 joins it from the host, and every row still draws what it
+    draws alone."""
+    model = tiny_model("qwen3_moe")
+    runner = ModelRunner(model, TINY_GEO)
+    prompts = {slot: prompt_of(model, 5 + slot, slot) for slot in (2, 3, 5)}
+    keys = {slot: runner.new_key(slot) for slot in prompts}
+    first = {slot: runner.prefill(slot, p, 0, row(keys[slot], want_top=False)) for slot, p in prompts.items()}
+
+    def alone(slot, steps):
+        out, s = [], first[slot]
+        for i in range(steps):
+            s = runner.decode([s.token], [slot + 8], [len(prompts[slot]) + i], [row(s.next_key, False)])[0]
+            out.append(s)
+        return out
+
+    for slot, p in prompts.items():  # the same requests again in slots 10, 11 and 13
+        runner.prefill(slot + 8, p, 0, row(keys[slot], want_top=False))
+    expect = {slot: alone(slot, 2) for slot in prompts}
+
+    at = {slot: len(p) for slot, p in prompts.items()}
+    one = runner.dispatch([first[2].token, first[3].token], [2, 3], [at[2], at[3]],
+                          [row(first[2].next_key, False), row(first[3].next_key, False)])
+    two = runner.dispatch([0, first[5].token], [2, 5], [at[2] + 1, at[5]],
+                          [row(keys[2], False), row(first[5].next_key, False)], [True, False])
+    one, two = runner.collect(one), runner.collect(two)
+    assert as_tuple(one[0]) == as_tuple(expect[2][0])
+    assert as_tuple(one[1]) == as_tuple(expect[3][0])
+    assert as_tuple(two[0]) == as_tuple(expect[2][1])
+    assert as_tuple(two[1]) == as_tuple(expect[5][0])
+
+
+def test_tiered_experts_do_not_chain(tiny_model):
+    model = tiny_model("qwen3_moe")
+    cfg = model.config
+    runner = ModelRunner(model, TINY_GEO, ExpertPlan("tiered", sum(cfg.moe_layers), cfg.n_experts, 4, None, 1))
+    assert not runner.chains
+    with pytest.raises(ValueError, match="do not chain"):
+        runner.dispatch([0], [0], [3], [row(runner.new_key(0))], [True])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+async def test_the_engine_draws_what_the_plain_generator_draws(tiny_model, arch):
+    """A seeded, sampled request through the scheduler, which pipelines its steps, and
+    through generate(), which runs one step, reads it, feeds the next: the same tokens,
+    alone and batched with a request that ends early."""
+    model = tiny_model(arch)
+    prompt = prompt_of(model, 11, 3)
+    expected = list(generate(model, prompt, max_tokens=20, seed=42, **SAMPLED))
+    with trio.fail_after(240):
+        async with Engine(model, kv_slots=4, max_context=TINY_GEO.max_context, prefill_chunk=16) as engine:
+            alone = await engine.complete(prompt, max_tokens=20, seed=42, **SAMPLED)
+            together = {}
+
+            async def one(name, ids, **kwargs):
+                together[name] = await engine.complete(ids, **kwargs)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(one, "short", prompt_of(model, 6, 4), max_tokens=3))
+                nursery.start_soon(partial(one, "long", prompt, max_tokens=20, seed=42, **SAMPLED))
+    assert list(alone.token_ids) == expected
+    assert together["long"].token_ids == alone.token_ids
