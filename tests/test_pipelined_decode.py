@@ -14,7 +14,8 @@ import trio
 
 from conftest import TINY_ARCHS, TINY_GEO
 from motet.actors.expert_policy import ExpertPlan
-from motet.actors.runner import ModelRunner, SamplingRow
+from motet.actors.runner import ModelRunner
+from motet.actors.step_rows import SamplingRow
 from motet.engine import Engine
 from motet.model.generate import generate
 

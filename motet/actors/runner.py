@@ -28,6 +28,8 @@ from ..model.tiered_model import TieredModel
 from ..protocol.mirror import Op, encode
 from ..runtime.api import ExpertTiers
 from .expert_policy import ExpertPlan
+from .step_rows import (FILLER_ROW, WARM_ROW, DecodeInFlight, Sampled, SamplingRow, sampled_rows,
+                        sampling_arrays)
 from .warmup import DECODE, EXPERT_MOVE, PREFILL, SLOT_WIDTH, WarmShape, WarmupPlan
 
 # Loads one placement may start per layer between two steps: re-pinning catches up over
@@ -35,43 +37,8 @@ from .warmup import DECODE, EXPERT_MOVE, PREFILL, SLOT_WIDTH, WarmShape, WarmupP
 MAX_MOVES_PER_PLACEMENT = 4
 
 
-@dataclass(frozen=True)
-class SamplingRow:
-    """One row of a sampling call: the request's parameters and its current PRNG key."""
-
-    temperature: float
-    top_p: float
-    key: np.ndarray  # uint32[2]
-    want_top: bool
-
-
-# What a padding row of a batch samples (greedy; the result is dropped).
-FILLER_ROW = SamplingRow(0.0, 1.0, np.zeros(2, np.uint32), False)
-# What the warm-up's decode rows sample.
-WARM_ROW = SamplingRow(0.7, 0.9, np.zeros(2, np.uint32), True)
-
-
 # The records a mirror frame may carry (protocol/mirror.py).
 MIRROR_RECORDS = (SamplingRow,)
-
-
-@dataclass(frozen=True)
-class Sampled:
-    token: int
-    logprob: float
-    next_key: np.ndarray
-    top: tuple[tuple[int, float], ...]  # (token id, logprob) best first; empty unless asked
-    experts: np.ndarray  # the experts that computed the token fed in: [MoE layers, k...]
-
-
-@dataclass(frozen=True)
-class DecodeInFlight:
-    """A decode step dispatched and not yet read back: its rows, and its output on the
-    device (tiered: its results, sampled already)."""
-
-    rows: tuple[SamplingRow, ...]
-    packed: object = None
-    results: tuple[Sampled, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -351,32 +318,6 @@ class ModelRunner:
             (self.shared_bytes + pool.device_bytes()) / 1e9, pool.ram_bytes() / 1e9, pool.C,
             *(int(x) for x in self.totals), gpus=_gpus(device),
         )
-
-
-def sampling_arrays(rows: list[SamplingRow], bucket: int):
-    """sample's (temperature, top_p, keys) for `rows`, then padding rows up to `bucket`
-    (sampled greedily, dropped: one compiled sampler per batch bucket, not per number
-    of rows)."""
-    padded = rows + [FILLER_ROW] * (bucket - len(rows))
-    return (np.asarray([r.temperature for r in padded], np.float32),
-            np.asarray([r.top_p for r in padded], np.float32),
-            np.stack([r.key for r in padded]).astype(np.uint32))
-
-
-def sampled_rows(rows: list[SamplingRow], drawn, experts: np.ndarray) -> list[Sampled]:
-    """sample's outputs (host arrays over the padded batch) as one Sampled per row.
-    experts: per row, the routing of what it fed in, [rows, MoE layers, ...]."""
-    tokens, logprobs, keys, top_ids, top_lp = drawn
-    return [
-        Sampled(
-            token=int(tokens[i]),
-            logprob=float(logprobs[i]),
-            next_key=keys[i],
-            top=tuple(zip(top_ids[i].tolist(), top_lp[i].tolist())) if r.want_top else (),
-            experts=experts[i],
-        )
-        for i, r in enumerate(rows)
-    ]
 
 
 def shared_model_weights(weights: dict) -> dict:

@@ -43,8 +43,9 @@ from ..runtime.experts import REPIN_KEPT, device_moves, turn_entropy, turn_perf
 from .expert_cache import ExpertCache, TurnEnded
 from .kv_slot import Claim, Extend, KVSlot, Probe, Release, SetHistory
 from .policy import StopMatcher, choose_slot
-from .runner import DecodeInFlight, ExpertStep, ModelRunner, Sampled, SamplingRow
+from .runner import ExpertStep, ModelRunner
 from .slot_io import FreeSlot, HoldSlot, ReadLayers, WriteLayers
+from .step_rows import DecodeInFlight, Sampled, SamplingRow
 
 log = logging.getLogger(__name__)
 
@@ -419,8 +420,8 @@ class Scheduler:
         at step t has computed one token more, which is dropped (its KV past the slot's
         history is never read)."""
         current = self.ahead
-        fresh = None if current is not None else self._decode_rows([])
-        unread = current[0] if current is not None else fresh[0]
+        fresh = self._decode_rows([]) if current is None else None
+        unread = (current or fresh)[0]
         following = self._decode_rows(unread) if self.runner.chains else ([], None)
         started, sampling = time.perf_counter(), self.runner.sample_seconds
 
@@ -453,10 +454,10 @@ class Scheduler:
         Every other decoding row feeds its token from the host."""
         rows = [a for a in unread if self._decoding(a) and not self._ends_at_unread_step(a)]
         chained = [True] * len(rows)
-        waiting = set(map(id, unread))
+        in_unread = set(map(id, unread))  # by identity: Active's fields hold arrays
         for rid in self.decoding:
             act = self.active[rid]
-            if id(act) not in waiting:
+            if id(act) not in in_unread:
                 rows.append(act)
                 chained.append(False)
         tokens = [0 if link else a.next_token for a, link in zip(rows, chained)]

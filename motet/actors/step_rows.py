@@ -1,0 +1,70 @@
+"""A step's rows on the host: what each samples with (SamplingRow), what it drew
+(Sampled), a decode step dispatched and not yet read (DecodeInFlight), and the
+conversions between them and the device's arrays."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One row of a sampling call: the request's parameters and its current PRNG key."""
+
+    temperature: float
+    top_p: float
+    key: np.ndarray  # uint32[2]
+    want_top: bool
+
+
+# What a padding row of a batch samples (greedy; the result is dropped).
+FILLER_ROW = SamplingRow(0.0, 1.0, np.zeros(2, np.uint32), False)
+# What the warm-up's decode rows sample.
+WARM_ROW = SamplingRow(0.7, 0.9, np.zeros(2, np.uint32), True)
+
+
+@dataclass(frozen=True)
+class Sampled:
+    token: int
+    logprob: float
+    next_key: np.ndarray
+    top: tuple[tuple[int, float], ...]  # (token id, logprob) best first; empty unless asked
+    experts: np.ndarray  # the experts that computed the token fed in: [MoE layers, k...]
+
+
+@dataclass(frozen=True)
+class DecodeInFlight:
+    """A decode step dispatched and not yet read back: its rows, and its output on the
+    device (tiered: its results, sampled already)."""
+
+    rows: tuple[SamplingRow, ...]
+    packed: object = None
+    results: tuple[Sampled, ...] = ()
+
+
+def sampling_arrays(rows: list[SamplingRow], bucket: int):
+    """sample's (temperature, top_p, keys) for `rows`, then padding rows up to `bucket`
+    (sampled greedily, dropped: one compiled sampler per batch bucket, not per number
+    of rows)."""
+    padded = rows + [FILLER_ROW] * (bucket - len(rows))
+    return (np.asarray([r.temperature for r in padded], np.float32),
+            np.asarray([r.top_p for r in padded], np.float32),
+            np.stack([r.key for r in padded]).astype(np.uint32))
+
+
+def sampled_rows(rows: list[SamplingRow], drawn, experts: np.ndarray) -> list[Sampled]:
+    """sample's outputs (host arrays over the padded batch) as one Sampled per row.
+    experts: per row, the routing of what it fed in, [rows, MoE layers, ...]."""
+    tokens, logprobs, keys, top_ids, top_lp = drawn
+    return [
+        Sampled(
+            token=int(tokens[i]),
+            logprob=float(logprobs[i]),
+            next_key=keys[i],
+            top=tuple(zip(top_ids[i].tolist(), top_lp[i].tolist())) if r.want_top else (),
+            experts=experts[i],
+        )
+        for i, r in enumerate(rows)
+    ]
