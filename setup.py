@@ -25,7 +25,7 @@ setup(
             language="c++",
             extra_compile_args=["-O3", "-std=c++17", "-w"],
             depends=[KERNELS + name for name in ("qmatmul.h", "qmatmul_headers.h", "qmatmul_body.inc",
-                                                 "scales_body.inc", "attend_body.inc", "matvec_avx2.inc",
+                                                 "scales_body.inc", "attend_body.inc", "swiglu_body.inc", "matvec_avx2.inc",
                                                  "matvec_avx512.inc", "four_entries.inc")],
             optional=True,
         )

@@ -12,6 +12,7 @@ import pytest
 
 from motet.model.compilation import use_compile_cache
 from motet.model.kv import KVGeometry
+from motet.model.native import INSTRUCTION_SETS
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -34,6 +35,21 @@ MUX_COMMAND = (sys.executable, "-m", "motet", "mux", "--compile-cache", str(COMP
 
 # One cache geometry for the tiny models' KV tests, so they share compiled functions.
 TINY_GEO = KVGeometry(n_slots=16, max_context=112, chunk=16)
+
+
+@pytest.fixture(params=INSTRUCTION_SETS)
+def isa(request):
+    """Each instruction set of the native kernels this CPU has, in turn (the best one
+    again afterwards)."""
+    from motet.model import native
+
+    if not native.available():
+        pytest.skip("the native kernels were not built")
+    best = native.instruction_set()
+    if not native.select_instruction_set(request.param):
+        pytest.skip(f"this CPU has no {request.param}")
+    yield request.param
+    native.select_instruction_set(best)
 
 
 def metric(text: str, name: str, **labels) -> float:

@@ -40,16 +40,6 @@ def both(cfg, args):
 SHAPES = [(3, 3, 64), (2, 2, 16), (1, 4, 24), (4, 1, 32), (2, 8, 32)]
 
 
-@pytest.fixture(params=native.INSTRUCTION_SETS)
-def isa(request):
-    """Each instruction set this CPU has, in turn (the best one again afterwards)."""
-    best = native.instruction_set()
-    if not native.select_instruction_set(request.param):
-        pytest.skip(f"this CPU has no {request.param}")
-    yield request.param
-    native.select_instruction_set(best)
-
-
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_kernel_equals_the_xla_loops(isa, shape):
     capacity = 600 + ATTN_BLOCK

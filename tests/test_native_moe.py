@@ -52,6 +52,17 @@ def test_the_kernel_equals_the_xla_loop(pair):
         assert np.abs(kernel - xla).max() / np.abs(xla).max() < 1e-4, tokens
 
 
+def test_the_activation_holds_in_both_tails_in_every_instruction_set(isa):
+    """silu's gate far below zero (where e^-g passes float32's range) and far above: the
+    vector exponential of each instruction set, clamped, gives what XLA's silu gives."""
+    gate_up, down = stacks("Q8_0", "Q8_0", 128, 64)
+    for tokens in (1, 40):  # experts on threads of their own, and shared out
+        x, weights, ids = routing(tokens, 128, seed=tokens)
+        kernel, xla = both(x * 40, weights, ids, gate_up, down)
+        assert np.isfinite(kernel).all()
+        assert np.abs(kernel - xla).max() / np.abs(xla).max() < 1e-4, (isa, tokens)
+
+
 def test_a_zero_weight_adds_nothing_and_an_expert_out_of_range_is_clamped():
     """A weight of 0 (a padding row, another pass's expert) adds nothing; an id past the
     stack (which routing never gives) reads its last expert, not memory past it."""

@@ -3,7 +3,6 @@
 // blocks, a gather back), which set the pace of a MoE decode step; here the assignments
 // are grouped by expert with a counting sort, and each expert used multiplies all its
 // rows at once with the quantized products.
-#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -20,9 +19,26 @@ void inline_for_each(void*, int64_t units, Task task, void* arg) {
   for (int64_t unit = 0; unit < units; ++unit) task(arg, unit);
 }
 
+// A unit of the activation: ACTIVATION_ROWS rows of an expert's hidden states.
+constexpr int64_t ACTIVATION_ROWS = 16;
+struct Activation {
+  SwigluImpl swiglu;
+  const float* hidden;  // [rows, 2f]
+  float* out;           // [rows, f]
+  int64_t rows, f;
+};
+
+void activate(void* arg, int64_t unit) {
+  const Activation& a = *static_cast<Activation*>(arg);
+  const int64_t first = unit * ACTIVATION_ROWS;
+  const int64_t rows = a.rows - first < ACTIVATION_ROWS ? a.rows - first : ACTIVATION_ROWS;
+  a.swiglu(a.hidden + first * 2 * a.f, rows, a.f, a.out + first * a.f);
+}
+
 struct Plan {
   const Experts& m;
   Impl product;
+  SwigluImpl swiglu;
   Parallel inner;                     // how an expert's own products run
   const std::vector<int64_t>& start;  // [experts + 1]: expert e's assignments in order
   const std::vector<int64_t>& order;  // assignments sorted by expert
@@ -40,16 +56,14 @@ void run_expert(void* arg, int64_t e) {
   for (int64_t i = 0; i < count; ++i)
     std::memcpy(&rows[i * d], m.x + plan.order[first + i] / m.k * d, d * sizeof(float));
   plan.product(m.gate_up.matrix(e), rows.data(), count, hidden.data(), plan.inner);
-  for (int64_t i = 0; i < count; ++i) {
-    const float* gate = &hidden[i * 2 * f];
-    for (int64_t j = 0; j < f; ++j) act[i * f + j] = gate[j] / (1.f + std::exp(-gate[j])) * gate[f + j];
-  }
+  Activation activation{plan.swiglu, hidden.data(), act.data(), count, f};
+  plan.inner.for_each(plan.inner.pool, (count + ACTIVATION_ROWS - 1) / ACTIVATION_ROWS, activate, &activation);
   plan.product(m.down.matrix(e), act.data(), count, &plan.ys[first * d], plan.inner);
 }
 
 }  // namespace
 
-void moe_experts(const Experts& m, Impl product, const Parallel& parallel) {
+void moe_experts(const Experts& m, Impl product, SwigluImpl swiglu, const Parallel& parallel) {
   const int64_t d = m.gate_up.first.k, f = m.gate_up.first.n / 2, experts = m.gate_up.count;
   const int64_t assignments = m.tokens * m.k;
   std::memset(m.out, 0, m.tokens * d * sizeof(float));
@@ -72,7 +86,7 @@ void moe_experts(const Experts& m, Impl product, const Parallel& parallel) {
   for (int64_t a = 0; a < assignments; ++a)
     if (m.weights[a] != 0.f) order[next[expert_of(a)]++] = a;
 
-  Plan plan{m, product, parallel, start, order, std::vector<float>(assignments * d)};
+  Plan plan{m, product, swiglu, parallel, start, order, std::vector<float>(assignments * d)};
   if (widest <= FEW_ROWS && used > 1) {
     // each expert whole on one thread: one handoff a layer instead of two a product
     plan.inner = Parallel{nullptr, inline_for_each};

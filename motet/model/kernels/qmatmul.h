@@ -109,7 +109,9 @@ struct Experts {
   QStack down;           // [E, d, f]
   float* out;            // [tokens, d]
 };
-void moe_experts(const Experts&, Impl product, const Parallel&);
+// out[r] = silu(h[r, :f]) · h[r, f:] for each of `rows` rows of h [rows, 2f] (swiglu_body.inc).
+using SwigluImpl = void (*)(const float* h, int64_t rows, int64_t f, float* out);
+void moe_experts(const Experts&, Impl product, SwigluImpl swiglu, const Parallel&);
 // Prefill attention: a chunk's tokens, causally among themselves, over a slot's cached
 // positions < offset first (none where k_cache is null).
 struct ChunkAttention {
@@ -132,7 +134,8 @@ using ChunkImpl = void (*)(const ChunkAttention&, const Parallel&);
 #define MOTET_KERNELS                                                           \
   void qmatmul(const QWeights&, const float*, int64_t, float*, const Parallel&); \
   void attend_rows(const Attention&, const Parallel&);                            \
-  void attend_chunk(const ChunkAttention&, const Parallel&);
+  void attend_chunk(const ChunkAttention&, const Parallel&);                     \
+  void swiglu(const float*, int64_t, int64_t, float*);
 namespace base { MOTET_KERNELS }
 #if defined(__x86_64__)
 namespace avx2 { MOTET_KERNELS }

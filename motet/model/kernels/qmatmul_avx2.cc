@@ -41,4 +41,5 @@ inline vf halves(const uint16_t* p) {
 #define MOTET_MATVEC_DOTS "matvec_avx2.inc"
 #include "qmatmul_body.inc"
 #include "attend_body.inc"
+#include "swiglu_body.inc"
 #endif

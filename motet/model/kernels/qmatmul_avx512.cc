@@ -39,4 +39,5 @@ inline vf halves(const uint16_t* p) {
 #define MOTET_MATVEC_DOTS "matvec_avx512.inc"
 #include "qmatmul_body.inc"
 #include "attend_body.inc"
+#include "swiglu_body.inc"
 #endif

@@ -40,3 +40,4 @@ inline vf halves(const uint16_t* p) {
 #define MOTET_VF motet_qmatmul::base::vf
 #include "qmatmul_body.inc"
 #include "attend_body.inc"
+#include "swiglu_body.inc"

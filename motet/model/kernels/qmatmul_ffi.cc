@@ -22,10 +22,12 @@ struct Choice {
   Impl impl;
   motet_qmatmul::AttendImpl attend;
   motet_qmatmul::ChunkImpl attend_chunk;
+  motet_qmatmul::SwigluImpl swiglu;
 };
 
 #define MOTET_CHOICE(isa) \
-  Choice{#isa, motet_qmatmul::isa::qmatmul, motet_qmatmul::isa::attend_rows, motet_qmatmul::isa::attend_chunk}
+  Choice{#isa, motet_qmatmul::isa::qmatmul, motet_qmatmul::isa::attend_rows, motet_qmatmul::isa::attend_chunk, \
+         motet_qmatmul::isa::swiglu}
 
 Choice best_for_this_cpu() {
 #if defined(__x86_64__)
@@ -214,7 +216,7 @@ ffi::Error MoeExperts(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::Buf
   m.ids = ids.typed_data();
   m.weights = weights.typed_data();
   m.out = out->typed_data();
-  motet_qmatmul::moe_experts(m, chosen().impl, motet_qmatmul::Parallel{&threads, for_each_on_pool});
+  motet_qmatmul::moe_experts(m, chosen().impl, chosen().swiglu, motet_qmatmul::Parallel{&threads, for_each_on_pool});
   return ffi::Error::Success();
 }
 
