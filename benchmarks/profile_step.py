@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 import sys
 import tempfile
 from collections import Counter
@@ -21,12 +22,18 @@ import jax
 import numpy as np
 
 from motet.model import load_model
-from motet.model.forward import decode, prefill
+from motet.model.forward import _decode, _prefill, decode, prefill
 from motet.model.kv import KVGeometry, init_kv
 
 
-def traced_ms(call, calls: int) -> dict[str, float]:
-    """ms per call of each kind of event the executor ran, from a perfetto trace."""
+def native_targets(hlo: str) -> dict[str, str]:
+    """The compiled module's native calls: instruction name -> custom-call target."""
+    return {m.group(1): m.group(2) for m in re.finditer(r'%?([\w.-]+) = [^\n]*custom_call_target="(\w+)"', hlo)}
+
+
+def traced_ms(call, calls: int, hlo: str = "") -> dict[str, float]:
+    """ms per call of each kind of event the executor ran, from a perfetto trace; the
+    native calls by target where the compiled module's text (hlo) names them."""
     for _ in range(2):
         jax.block_until_ready(call())
     with tempfile.TemporaryDirectory() as folder:
@@ -37,15 +44,20 @@ def traced_ms(call, calls: int) -> dict[str, float]:
         events = json.load(gzip.open(trace))
     events = events["traceEvents"] if isinstance(events, dict) else events
     totals: Counter = Counter()
+    by_target: Counter = Counter()
+    targets = native_targets(hlo)
     for event in events:
         name = event.get("name", "")
         if event.get("ph") == "X" and not name.startswith(("end:", "$")):
             totals[name.split(".")[0]] += event.get("dur", 0)
+            if name in targets:
+                by_target[targets[name]] += event.get("dur", 0)
     step = totals.pop("ThunkExecutor::Execute", 0)
     native = totals.pop("ffi_call", 0)
     ops = {k: v for k, v in totals.items() if "fusion" in k or k.startswith("wrapped_") or k in ("dot", "copy")}
     top = dict(sorted(ops.items(), key=lambda kv: -kv[1])[:6])
     return {"step": step / calls / 1e3, "native calls": native / calls / 1e3,
+            **{f"  {k}": v / calls / 1e3 for k, v in by_target.most_common()},
             "xla ops": sum(ops.values()) / calls / 1e3, **{f"  {k}": v / calls / 1e3 for k, v in top.items()}}
 
 
@@ -61,9 +73,12 @@ def main(argv=None) -> int:
     k, v = init_kv(cfg, KVGeometry(n_slots=16, max_context=1024, chunk=512))
     rows = tuple(jax.device_put(np.array([a], np.int32)) for a in (5, 0, 300))
     tokens = jax.device_put(np.arange(512, dtype=np.int32) % 1000)
-    result = {"decode 1": traced_ms(lambda: decode(weights, k, v, *rows, cfg=cfg), args.calls),
+    decode_hlo = _decode.lower(weights, k, v, *rows, cfg=cfg, moe_impl="auto", mesh=None).compile().as_text()
+    prefill_hlo = _prefill.lower(weights, k, v, tokens, 0, 0, 512, cfg=cfg, with_history=True, all_logits=False,
+                                 moe_impl="auto", mesh=None).compile().as_text()
+    result = {"decode 1": traced_ms(lambda: decode(weights, k, v, *rows, cfg=cfg), args.calls, decode_hlo),
               "prefill 512": traced_ms(lambda: prefill(weights, k, v, tokens, 0, 0, 512, cfg=cfg)[0],
-                                       max(1, args.calls // 3))}
+                                       max(1, args.calls // 3), prefill_hlo)}
     print(json.dumps({"file": args.file, "ms": result}, indent=1))
     for name, parts in result.items():
         print(f"\n{name} (ms per step)")

@@ -2,9 +2,8 @@
 
 KV cache: per layer, K [slots, kv_heads, head_dim, context] and V [slots, kv_heads,
 context, head_dim]. Head-major avoids a per-step transpose; K stored transposed makes
-q·K a plain matmul over contiguous rows, the fastest form measured on XLA:CPU. The step functions only *read* the
-cache and return the new rows; separate donated functions write them. Reading and
-writing the same donated array in one step makes XLA copy the whole cache.
+q·K a plain matmul over contiguous rows, the fastest form measured on XLA:CPU. The step
+functions only *read* the cache and return the new rows; kv_writes.py stores them.
 
 Dimension letters: t tokens, b batch rows, h query heads, k KV heads, g query heads per
 KV head, d head dim, l cached positions (one block), s positions in the chunk.
@@ -281,36 +280,3 @@ def _decode_body(weights, k_cache, v_cache, tokens, slots, positions, *, cfg, mo
 
     x, new_k, new_v, routing = _layers(weights, x, run_layer)
     return lm_head(cfg, weights, x), new_k, new_v, routing
-
-
-@partial(jax.jit, donate_argnums=(0, 1))
-def write_chunk(k_cache, v_cache, new_k, new_v, slot, offset):
-    """Store a prefilled chunk (K [k, d, t], V [k, t, d]) at `offset` in `slot` (in place).
-    A padded chunk may reach past the cache's last position (the cache holds the context,
-    not a chunk more): those rows are dropped, the rows before `offset` kept."""
-
-    def put(cache, rows, axis):
-        rows = rows[None].astype(cache.dtype)
-        t, length = rows.shape[axis], cache.shape[axis]
-        # A write clamped to the end moves back by `shift`: the chunk's rows then start
-        # `shift` rows into the window, after the window's own old rows.
-        start = jnp.minimum(offset, length - t)
-        shift = offset - start
-        at = [slot, 0, 0, 0]
-        at[axis] = start
-        old = jax.lax.dynamic_slice(cache, at, rows.shape)
-        placed = jnp.roll(rows, shift, axis=axis)
-        keep = (jnp.arange(t) < shift).reshape([t if a == axis else 1 for a in range(4)])
-        return jax.lax.dynamic_update_slice(cache, jnp.where(keep, old, placed), at)
-
-    return [put(c, r, 3) for c, r in zip(k_cache, new_k)], [put(c, r, 2) for c, r in zip(v_cache, new_v)]
-
-
-@partial(jax.jit, donate_argnums=(0, 1))
-def write_rows(k_cache, v_cache, new_k, new_v, slots, positions):
-    """Store each decode row's K/V [b, k, d] at (slots[b], positions[b]) (in place)."""
-
-    return (
-        [c.at[slots, :, :, positions].set(r.astype(c.dtype)) for c, r in zip(k_cache, new_k)],
-        [c.at[slots, :, positions].set(r.astype(c.dtype)) for c, r in zip(v_cache, new_v)],
-    )

@@ -1,5 +1,5 @@
 """The native CPU kernels (kernels/*.cc: quantized products, decode and prefill
-attention, a MoE layer's experts, norms, a QKV projection made heads): found beside
+attention, a MoE layer's experts, norms, a QKV projection made heads, KV cache writes): found beside
 this module, where the install built them, and registered with XLA once.
 
 The install builds them with the machine's C++ compiler (setup.py); where it could
@@ -25,6 +25,7 @@ ATTEND_CHUNK = "motet_attend_chunk"  # prefill attention: a chunk over its slot'
 MOE_EXPERTS = "motet_moe_experts"  # a MoE layer's routed experts, quantized
 RMS_NORM = "motet_rms_norm"  # a root-mean-square norm, after a residual add or alone
 QKV_HEADS = "motet_qkv_heads"  # a QKV projection as heads: split, q and k normed, turned
+KV_WRITE = "motet_kv_write"  # a step's new K and V rows into every layer's cache, in place
 LIBRARY = "_qmatmul"
 
 
@@ -51,6 +52,7 @@ def _library() -> ctypes.CDLL | None:
     lib.motet_qmatmul_isa.restype = ctypes.c_char_p
     lib.motet_qmatmul_select.argtypes = [ctypes.c_char_p]
     lib.motet_qmatmul_rows_at_once.argtypes = [ctypes.c_int]
+    lib.motet_kv_write_f16c.argtypes = [ctypes.c_int]
     jax.ffi.register_ffi_target(QMATMUL, jax.ffi.pycapsule(lib.MotetQMatmul), platform="cpu")
     jax.ffi.register_ffi_target(QMATMUL_STACKED, jax.ffi.pycapsule(lib.MotetQMatmulStacked), platform="cpu")
     jax.ffi.register_ffi_target(ATTEND_ROWS, jax.ffi.pycapsule(lib.MotetAttendRows), platform="cpu")
@@ -58,6 +60,7 @@ def _library() -> ctypes.CDLL | None:
     jax.ffi.register_ffi_target(MOE_EXPERTS, jax.ffi.pycapsule(lib.MotetMoeExperts), platform="cpu")
     jax.ffi.register_ffi_target(RMS_NORM, jax.ffi.pycapsule(lib.MotetRmsNorm), platform="cpu")
     jax.ffi.register_ffi_target(QKV_HEADS, jax.ffi.pycapsule(lib.MotetQkvHeads), platform="cpu")
+    jax.ffi.register_ffi_target(KV_WRITE, jax.ffi.pycapsule(lib.MotetKvWrite), platform="cpu")
     return lib
 
 
@@ -96,7 +99,10 @@ def select_instruction_set(name: str) -> bool:
     """Run the kernels with `name` from now on (tests compare every one the CPU has);
     False where this CPU lacks it."""
     lib = _library()
-    return lib is not None and bool(lib.motet_qmatmul_select(name.encode()))
+    if lib is None or not lib.motet_qmatmul_select(name.encode()):
+        return False
+    lib.motet_kv_write_f16c(int(name != "base"))  # the baseline rounds halves without F16C
+    return True
 
 
 def rows_at_once(rows: int | None = None) -> int:

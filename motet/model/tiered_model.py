@@ -32,7 +32,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .errors import ContextLengthError
 from .expert_pool import ExpertPool
-from .forward import decode, prefill, write_chunk, write_rows
+from .forward import decode, prefill
+from .kv_writes import write_chunk, write_rows
 from .generate import padded_rows
 from .kv import KVGeometry, bucket
 from .model import Model

@@ -45,6 +45,8 @@ struct Parallel {
   void* pool;
   void (*for_each)(void* pool, int64_t units, Task task, void* arg);
 };
+// Parallel's for_each on XLA's intra-op pool (pool: an xla::ffi::ThreadPool).
+void for_each_on_pool(void* pool, int64_t units, Task task, void* arg);
 
 // Decode attention (attend_body.inc): each row's new query heads over its slot's
 // cached positions < position[row] and over the row's own new key and value. The

@@ -48,38 +48,6 @@ Choice& chosen() {
 // 0 until set: then the CPU's vendor decides (matvec_avx512.inc says why)
 std::atomic<int> rows_at_once{0};
 
-// One product's units, claimed one at a time by the calling thread and by helpers on
-// XLA's intra-op pool. The caller alone could run them all, so a helper that starts
-// late (its pool busy) is never waited for; it finds nothing left and returns, which is
-// why the state is shared with it rather than owned by the caller.
-struct Share {
-  motet_qmatmul::Task task;
-  void* arg;
-  int64_t units;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void work() {
-    for (int64_t unit; (unit = next.fetch_add(1)) < units;) {
-      task(arg, unit);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-void for_each_on_pool(void* pool, int64_t units, motet_qmatmul::Task task, void* arg) {
-  auto& threads = *static_cast<ffi::ThreadPool*>(pool);
-  auto share = std::make_shared<Share>();
-  share->task = task;
-  share->arg = arg;
-  share->units = units;
-  const int64_t helpers = std::min<int64_t>(threads.num_threads(), units) - 1;
-  for (int64_t i = 0; i < helpers; ++i) threads.Schedule([share] { share->work(); });
-  share->work();
-  // the units still running on helpers are each a few microseconds to milliseconds
-  for (int spins = 0; share->done.load(std::memory_order_acquire) < units; ++spins)
-    if (spins > 1000) std::this_thread::yield();
-}
-
 // A matrix's scales (or mins) from their buffer, `offset` entries in: floats, or packed
 // (quant.py's QTensor: f16, or uint8 / int8 times a float32 `super` entry per `group`).
 // False for any other element type, or a super buffer of the wrong size.
@@ -159,7 +127,7 @@ ffi::Error Product(ffi::ThreadPool& threads, ffi::Buffer<ffi::F32>& x, const Mat
   if (auto e = matrix_of(m, k, index, "qmatmul", w, stack); e.failure()) return e;
   if (static_cast<int64_t>(out->element_count()) != rows * w.n)
     return ffi::Error::InvalidArgument("qmatmul: shapes do not agree");
-  chosen().impl(w, x.typed_data(), rows, out->typed_data(), motet_qmatmul::Parallel{&threads, for_each_on_pool});
+  chosen().impl(w, x.typed_data(), rows, out->typed_data(), motet_qmatmul::Parallel{&threads, motet_qmatmul::for_each_on_pool});
   return ffi::Error::Success();
 }
 
@@ -216,7 +184,7 @@ ffi::Error MoeExperts(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::Buf
   m.ids = ids.typed_data();
   m.weights = weights.typed_data();
   m.out = out->typed_data();
-  motet_qmatmul::moe_experts(m, chosen().impl, chosen().swiglu, motet_qmatmul::Parallel{&threads, for_each_on_pool});
+  motet_qmatmul::moe_experts(m, chosen().impl, chosen().swiglu, motet_qmatmul::Parallel{&threads, motet_qmatmul::for_each_on_pool});
   return ffi::Error::Success();
 }
 
@@ -253,7 +221,7 @@ ffi::Error AttendRows(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buf
                                    q.typed_data(), k_new.typed_data(), v_new.typed_data(),
                                    k_cache.untyped_data(), v_cache.untyped_data(), elem, slots.typed_data(),
                                    positions.typed_data(), out->typed_data()};
-  chosen().attend(a, motet_qmatmul::Parallel{&threads, for_each_on_pool});
+  chosen().attend(a, motet_qmatmul::Parallel{&threads, motet_qmatmul::for_each_on_pool});
   return ffi::Error::Success();
 }
 
@@ -281,7 +249,7 @@ ffi::Error AttendChunk(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Bu
                                         has_history ? k_cache.untyped_data() : nullptr,
                                         has_history ? v_cache.untyped_data() : nullptr, elem,
                                         slot.typed_data()[0], offset.typed_data()[0], out->typed_data()};
-  chosen().attend_chunk(a, motet_qmatmul::Parallel{&threads, for_each_on_pool});
+  chosen().attend_chunk(a, motet_qmatmul::Parallel{&threads, motet_qmatmul::for_each_on_pool});
   return ffi::Error::Success();
 }
 
@@ -324,6 +292,45 @@ auto attention_binding() {
 }
 
 }  // namespace
+
+namespace motet_qmatmul {
+namespace {
+
+// One product's units, claimed one at a time by the calling thread and by helpers on
+// XLA's intra-op pool. The caller alone could run them all, so a helper that starts
+// late (its pool busy) is never waited for; it finds nothing left and returns, which is
+// why the state is shared with it rather than owned by the caller.
+struct Share {
+  Task task;
+  void* arg;
+  int64_t units;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void work() {
+    for (int64_t unit; (unit = next.fetch_add(1)) < units;) {
+      task(arg, unit);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+}  // namespace
+
+void for_each_on_pool(void* pool, int64_t units, Task task, void* arg) {
+  auto& threads = *static_cast<ffi::ThreadPool*>(pool);
+  auto share = std::make_shared<Share>();
+  share->task = task;
+  share->arg = arg;
+  share->units = units;
+  const int64_t helpers = std::min<int64_t>(threads.num_threads(), units) - 1;
+  for (int64_t i = 0; i < helpers; ++i) threads.Schedule([share] { share->work(); });
+  share->work();
+  // the units still running on helpers are each a few microseconds to milliseconds
+  for (int spins = 0; share->done.load(std::memory_order_acquire) < units; ++spins)
+    if (spins > 1000) std::this_thread::yield();
+}
+
+}  // namespace motet_qmatmul
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetQMatmul, QMatmul,
                               matrix_attributes(matrix_buffers(ffi::Ffi::Bind()

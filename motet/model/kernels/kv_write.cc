@@ -1,0 +1,225 @@
+// New K and V rows stored into every layer's cache in one call, in place (the caches are
+// aliased to the results). XLA:CPU wrote them as a few kernels a layer and cache (a
+// slice, a roll, a select and an update for a chunk; a scatter for decode rows), and a
+// compiled write held 5 to 12 MB of memory for each row count and chunk size an engine
+// warms up (docs/performance.md); this one holds next to nothing.
+//
+// Two forms of the new rows, as forward.py's steps return them:
+//   rows   K and V [b, kv_heads, head_dim]: row r at position positions[r] of slot slots[r]
+//   chunk  K [kv_heads, head_dim, t] and V [kv_heads, t, head_dim]: token j at position
+//          positions[0] + j of slot slots[0]
+// A position past the cache's end is dropped (a padded chunk's tail, as XLA's write).
+// Caches (forward.py): K [slots, kv_heads, head_dim, capacity], V [slots, kv_heads,
+// capacity, head_dim], all of one element type: float32, IEEE half or bfloat16, the new
+// float32 values rounded to the nearest (ties to even) as XLA's conversion rounds them.
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "qmatmul.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000, magnitude = x & 0x7fffffff;
+  if (magnitude > 0x7f800000) return static_cast<uint16_t>(sign | 0x7e00 | (magnitude >> 13 & 0x3ff));  // NaN
+  if (magnitude >= 0x477ff000) return static_cast<uint16_t>(sign | 0x7c00);  // rounds past 65504: infinity
+  if (magnitude < 0x38800000) {  // a half subnormal (or zero): the value in units of 2^-24
+    if (magnitude < 0x33000000) return static_cast<uint16_t>(sign);  // at most half a unit: zero
+    const uint32_t exponent = magnitude >> 23, mantissa = (magnitude & 0x7fffff) | 0x800000;
+    const uint32_t shift = 126 - exponent;  // 14 to 24 bits dropped
+    uint32_t half = mantissa >> shift;
+    const uint32_t rest = mantissa & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+    if (rest > halfway || (rest == halfway && (half & 1))) ++half;
+    return static_cast<uint16_t>(sign | half);
+  }
+  uint32_t half = (magnitude - 0x38000000) >> 13;  // rebias 127 → 15
+  const uint32_t rest = magnitude & 0x1fff;
+  if (rest > 0x1000 || (rest == 0x1000 && (half & 1))) ++half;  // a carry into the exponent is right
+  return static_cast<uint16_t>(sign | half);
+}
+
+uint16_t float_to_bfloat(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((x >> 16) | 0x40);  // NaN stays NaN
+  x += 0x7fff + ((x >> 16) & 1);
+  return static_cast<uint16_t>(x >> 16);
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx,f16c"))) void halves_f16c(const float* from, int64_t n, uint16_t* to) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(to + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(from + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) to[i] = _cvtss_sh(from[i], _MM_FROUND_TO_NEAREST_INT);
+}
+bool cpu_has_f16c() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+}
+std::atomic<bool> use_f16c{cpu_has_f16c()};
+#endif
+
+// n floats into n elements of type `type` at `to`.
+void store(const float* from, int64_t n, ffi::DataType type, void* to) {
+  if (type == ffi::DataType::F32) {
+    std::memcpy(to, from, n * sizeof(float));
+    return;
+  }
+  uint16_t* out = static_cast<uint16_t*>(to);
+  if (type == ffi::DataType::BF16) {
+    for (int64_t i = 0; i < n; ++i) out[i] = float_to_bfloat(from[i]);
+    return;
+  }
+#if defined(__x86_64__)
+  if (use_f16c.load(std::memory_order_relaxed)) return halves_f16c(from, n, out);
+#endif
+  for (int64_t i = 0; i < n; ++i) out[i] = float_to_half(from[i]);
+}
+
+// n floats to n elements of `type`, `stride` elements apart: a K row goes down its
+// cache's position axis. Converted together first, then placed.
+void store_column(const float* from, int64_t n, int64_t stride, ffi::DataType type, void* to) {
+  constexpr int64_t MOST = 512;
+  uint32_t converted[MOST];
+  const int64_t size = type == ffi::DataType::F32 ? 4 : 2;
+  char* out = static_cast<char*>(to);
+  for (int64_t first = 0; first < n; first += MOST) {
+    const int64_t count = n - first < MOST ? n - first : MOST;
+    store(from + first, count, type, converted);
+    if (size == 2) {
+      const uint16_t* halves = reinterpret_cast<const uint16_t*>(converted);
+      uint16_t* to_halves = reinterpret_cast<uint16_t*>(out) + first * stride;
+      for (int64_t i = 0; i < count; ++i) to_halves[i * stride] = halves[i];
+    } else {
+      uint32_t* to_words = reinterpret_cast<uint32_t*>(out) + first * stride;
+      for (int64_t i = 0; i < count; ++i) to_words[i * stride] = converted[i];
+    }
+  }
+}
+
+// One layer's write: its caches, its new rows, and where they go.
+struct LayerWrite {
+  char* k_cache;
+  char* v_cache;
+  const float* k_new;
+  const float* v_new;
+};
+
+struct Write {
+  std::vector<LayerWrite> layers;
+  ffi::DataType type;
+  int64_t n_slots, heads, dim, capacity, size;
+  int64_t count;  // rows, or the chunk's tokens
+  bool chunk;
+  const int32_t* slots;
+  const int32_t* positions;
+};
+
+void write_layer(void* arg, int64_t layer) {
+  const Write& w = *static_cast<const Write*>(arg);
+  const LayerWrite& l = w.layers[layer];
+  const int64_t heads = w.heads, dim = w.dim, capacity = w.capacity, size = w.size, count = w.count;
+  if (w.chunk) {  // K [h, d, t]: each (h, d) row's tokens are contiguous in the cache too; V [h, t, d]
+    const int64_t slot = w.slots[0], offset = w.positions[0];
+    const int64_t valid = offset < 0 ? 0 : (capacity - offset < count ? capacity - offset : count);
+    if (slot < 0 || slot >= w.n_slots || valid <= 0) return;  // nothing in the cache: all dropped
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t d = 0; d < dim; ++d)
+        store(l.k_new + (h * dim + d) * count, valid, w.type,
+              l.k_cache + (((slot * heads + h) * dim + d) * capacity + offset) * size);
+      store(l.v_new + h * count * dim, valid * dim, w.type, l.v_cache + ((slot * heads + h) * capacity + offset) * dim * size);
+    }
+    return;
+  }
+  for (int64_t r = 0; r < count; ++r) {  // K and V [r, h, d]
+    const int64_t slot = w.slots[r], position = w.positions[r];
+    if (slot < 0 || slot >= w.n_slots || position < 0 || position >= capacity) continue;  // dropped
+    for (int64_t h = 0; h < heads; ++h) {
+      store_column(l.k_new + (r * heads + h) * dim, dim, capacity, w.type,
+                   l.k_cache + ((slot * heads + h) * dim * capacity + position) * size);
+      store(l.v_new + (r * heads + h) * dim, dim, w.type, l.v_cache + ((slot * heads + h) * capacity + position) * dim * size);
+    }
+  }
+}
+
+ffi::Error KvWrite(ffi::ThreadPool threads, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> positions,
+                   ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t layers, int64_t chunk) {
+  if (layers < 1 || static_cast<int64_t>(args.size()) != 4 * layers ||
+      static_cast<int64_t>(rets.size()) != 2 * layers)
+    return ffi::Error::InvalidArgument("kv_write: expected K and V caches and new rows for every layer");
+  Write w{};
+  w.chunk = chunk != 0;
+  w.slots = slots.typed_data();
+  w.positions = positions.typed_data();
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    auto k_out = rets.get<ffi::AnyBuffer>(layer), v_out = rets.get<ffi::AnyBuffer>(layers + layer);
+    auto k_new = args.get<ffi::Buffer<ffi::F32>>(2 * layers + layer);
+    auto v_new = args.get<ffi::Buffer<ffi::F32>>(3 * layers + layer);
+    if (k_out.has_error() || v_out.has_error() || k_new.has_error() || v_new.has_error())
+      return ffi::Error::InvalidArgument("kv_write: the new rows must be float32");
+    ffi::AnyBuffer& k_cache = **k_out;
+    ffi::AnyBuffer& v_cache = **v_out;
+    const auto kd = k_cache.dimensions(), vd = v_cache.dimensions(), nd = k_new->dimensions();
+    const ffi::DataType type = k_cache.element_type();
+    if (kd.size() != 4 || vd.size() != 4 || nd.size() != 3 || v_cache.element_type() != type ||
+        (type != ffi::DataType::F32 && type != ffi::DataType::F16 && type != ffi::DataType::BF16))
+      return ffi::Error::InvalidArgument("kv_write: bad cache ranks or element types");
+    if (layer == 0) {
+      w.type = type;
+      w.n_slots = kd[0], w.heads = kd[1], w.dim = kd[2], w.capacity = kd[3];
+      w.size = type == ffi::DataType::F32 ? 4 : 2;
+      w.count = chunk ? nd[2] : nd[0];
+    }
+    const bool same = type == w.type && kd[0] == w.n_slots && kd[1] == w.heads && kd[2] == w.dim &&
+                      kd[3] == w.capacity && vd[0] == w.n_slots && vd[1] == w.heads && vd[2] == w.capacity &&
+                      vd[3] == w.dim;
+    const bool rows_fit = chunk ? (nd[0] == w.heads && nd[1] == w.dim && nd[2] == w.count &&
+                                   slots.element_count() == 1 && positions.element_count() == 1)
+                                : (nd[0] == w.count && nd[1] == w.heads && nd[2] == w.dim &&
+                                   static_cast<int64_t>(slots.element_count()) == w.count &&
+                                   static_cast<int64_t>(positions.element_count()) == w.count);
+    if (!same || !rows_fit || v_new->element_count() != k_new->element_count())
+      return ffi::Error::InvalidArgument("kv_write: the new rows do not fit the caches");
+    w.layers.push_back(LayerWrite{static_cast<char*>(k_cache.untyped_data()), static_cast<char*>(v_cache.untyped_data()),
+                                  k_new->typed_data(), v_new->typed_data()});
+  }
+  motet_qmatmul::for_each_on_pool(&threads, layers, write_layer, &w);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetKvWrite, KvWrite,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("layers")
+                                  .Attr<int64_t>("chunk"));
+
+// Halves rounded by F16C (on: where the CPU has it) or by float_to_half (off): tests
+// compare both with XLA, as native.select_instruction_set("base") turns it off. Returns
+// whether F16C is in use.
+extern "C" int motet_kv_write_f16c(int on) {
+#if defined(__x86_64__)
+  use_f16c.store(on && cpu_has_f16c());
+  return use_f16c.load();
+#else
+  return 0;
+#endif
+}

@@ -1,0 +1,87 @@
+"""Storing a step's new K and V rows into the caches, in place (the caches donated).
+
+The steps (forward.py) only read the caches and return the new rows: reading and
+writing the same donated array in one step makes XLA copy the whole cache. On the CPU
+the writes are one native call for every layer (kernels/kv_write.cc), where XLA's form
+below was a few kernels a layer and cache, and each compiled write (one a row count and
+a chunk size) held 5 to 12 MB (docs/performance.md). Caches spread over several
+devices (a mesh) take XLA's form, which its partitioner splits.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from . import native
+
+_CACHE_TYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
+
+
+def write_chunk(k_cache, v_cache, new_k, new_v, slot, offset):
+    """Store a prefilled chunk (K [k, d, t], V [k, t, d] per layer) at `offset` in
+    `slot`. A padded chunk may reach past the cache's last position (the cache holds the
+    context, not a chunk more): those rows are dropped. Returns the caches."""
+    if _native(k_cache, new_k):
+        return _write_native(k_cache, v_cache, new_k, new_v, jnp.int32(slot), jnp.int32(offset), chunk=True)
+    return _write_chunk_xla(k_cache, v_cache, new_k, new_v, slot, offset)
+
+
+def write_rows(k_cache, v_cache, new_k, new_v, slots, positions):
+    """Store each decode row's K/V [b, k, d] (per layer) at (slots[b], positions[b]).
+    Returns the caches."""
+    if _native(k_cache, new_k):
+        return _write_native(k_cache, v_cache, new_k, new_v, slots, positions, chunk=False)
+    return _write_rows_xla(k_cache, v_cache, new_k, new_v, slots, positions)
+
+
+def _native(k_cache, new_k) -> bool:
+    """Whether the native write takes these: caches on one CPU device, of a type it
+    stores, and float32 rows."""
+    first = k_cache[0]
+    return (native.available() and new_k[0].dtype == jnp.float32 and first.dtype in _CACHE_TYPES
+            and isinstance(first, jax.Array) and len(first.sharding.device_set) == 1
+            and next(iter(first.sharding.device_set)).platform == "cpu")
+
+
+@partial(jax.jit, donate_argnums=(0, 1), static_argnames=("chunk",))
+def _write_native(k_cache, v_cache, new_k, new_v, slots, positions, *, chunk: bool):
+    layers = len(k_cache)
+    caches = [*k_cache, *v_cache]
+    call = jax.ffi.ffi_call(native.KV_WRITE, [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches],
+                            input_output_aliases={2 + i: i for i in range(2 * layers)})
+    out = call(jnp.asarray(slots, jnp.int32).reshape(-1), jnp.asarray(positions, jnp.int32).reshape(-1), *caches,
+               *new_k, *new_v, layers=layers, chunk=int(chunk))
+    return list(out[:layers]), list(out[layers:])
+
+
+@partial(jax.jit, donate_argnums=(0, 1))
+def _write_chunk_xla(k_cache, v_cache, new_k, new_v, slot, offset):
+    """write_chunk in XLA: a window of the chunk's length clamped into the cache, the
+    rows before `offset` kept as they were."""
+
+    def put(cache, rows, axis):
+        rows = rows[None].astype(cache.dtype)
+        t, length = rows.shape[axis], cache.shape[axis]
+        # A write clamped to the end moves back by `shift`: the chunk's rows then start
+        # `shift` rows into the window, after the window's own old rows.
+        start = jnp.minimum(offset, length - t)
+        shift = offset - start
+        at = [slot, 0, 0, 0]
+        at[axis] = start
+        old = jax.lax.dynamic_slice(cache, at, rows.shape)
+        placed = jnp.roll(rows, shift, axis=axis)
+        keep = (jnp.arange(t) < shift).reshape([t if a == axis else 1 for a in range(4)])
+        return jax.lax.dynamic_update_slice(cache, jnp.where(keep, old, placed), at)
+
+    return [put(c, r, 3) for c, r in zip(k_cache, new_k)], [put(c, r, 2) for c, r in zip(v_cache, new_v)]
+
+
+@partial(jax.jit, donate_argnums=(0, 1))
+def _write_rows_xla(k_cache, v_cache, new_k, new_v, slots, positions):
+    return (
+        [c.at[slots, :, :, positions].set(r.astype(c.dtype)) for c, r in zip(k_cache, new_k)],
+        [c.at[slots, :, positions].set(r.astype(c.dtype)) for c, r in zip(v_cache, new_v)],
+    )

@@ -1,0 +1,88 @@
+"""The native KV write (kernels/kv_write.cc) stores a step's new rows exactly as XLA's
+write does (kv_writes._write_rows_xla, _write_chunk_xla): every byte of every layer's
+caches, for float32, half and bfloat16 caches, halves rounded with F16C and without."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from motet.model import kv_writes, native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels were not built")
+
+LAYERS, SLOTS, HEADS, DIM, CAPACITY = 3, 5, 2, 8, 40
+CACHE_TYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
+
+
+def caches(dtype, seed: int):
+    rng = np.random.default_rng(seed)
+    k = [rng.standard_normal((SLOTS, HEADS, DIM, CAPACITY)).astype(np.float32) for _ in range(LAYERS)]
+    v = [rng.standard_normal((SLOTS, HEADS, CAPACITY, DIM)).astype(np.float32) for _ in range(LAYERS)]
+    return [np.asarray(jnp.asarray(a, dtype)) for a in k], [np.asarray(jnp.asarray(a, dtype)) for a in v]
+
+
+def awkward(shape, seed: int) -> np.ndarray:
+    """Values that test rounding: ordinary ones, ties, half's subnormals and overflow,
+    bfloat16's ties, infinities and NaN."""
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal(shape).astype(np.float32) * rng.choice([1e-7, 1e-3, 1.0, 1e3, 1e5], shape)
+    special = np.array([np.nan, np.inf, -np.inf, 65504.0, 65520.0, 65519.99, 2.0**-24, 2.0**-25, 3 * 2.0**-26,
+                        1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 1.0 + 2.0**-8, -0.0, 6.1e-5], np.float32)
+    flat = values.reshape(-1)
+    flat[: min(flat.size, special.size)] = special[: flat.size]
+    return values
+
+
+def both(write_native, write_xla, dtype, seed: int):
+    """Both writes from identical caches: their caches as bytes."""
+    outs = []
+    for write in (write_native, write_xla):
+        k, v = caches(dtype, seed)
+        new_k, new_v = write([jnp.asarray(a) for a in k], [jnp.asarray(a) for a in v])
+        outs.append([np.asarray(a).view(np.uint8) for a in new_k + new_v])
+    return outs
+
+
+@pytest.mark.parametrize("dtype", CACHE_TYPES, ids=lambda t: jnp.dtype(t).name)
+def test_a_chunk_is_written_as_xla_writes_it(dtype, isa):
+    tokens = 16
+    for offset in (0, 10, CAPACITY - tokens, CAPACITY - 6):  # the last: a padded chunk's tail dropped
+        new_k = [jnp.asarray(awkward((HEADS, DIM, tokens), offset + i)) for i in range(LAYERS)]
+        new_v = [jnp.asarray(awkward((HEADS, tokens, DIM), 50 + offset + i)) for i in range(LAYERS)]
+        ours, xla = both(
+            lambda k, v: kv_writes._write_native(k, v, new_k, new_v, jnp.int32(2), jnp.int32(offset), chunk=True),
+            lambda k, v: kv_writes._write_chunk_xla(k, v, new_k, new_v, 2, offset), dtype, offset)
+        for layer, (a, b) in enumerate(zip(ours, xla)):
+            np.testing.assert_array_equal(a, b, err_msg=f"offset {offset}, cache {layer}")
+
+
+@pytest.mark.parametrize("dtype", CACHE_TYPES, ids=lambda t: jnp.dtype(t).name)
+def test_decode_rows_are_written_as_xla_writes_them(dtype, isa):
+    slots, positions = np.array([0, 3, 1, 4], np.int32), np.array([0, CAPACITY - 1, 7, 12], np.int32)
+    new_k = [jnp.asarray(awkward((4, HEADS, DIM), i)) for i in range(LAYERS)]
+    new_v = [jnp.asarray(awkward((4, HEADS, DIM), 9 + i)) for i in range(LAYERS)]
+    ours, xla = both(lambda k, v: kv_writes._write_native(k, v, new_k, new_v, slots, positions, chunk=False),
+                     lambda k, v: kv_writes._write_rows_xla(k, v, new_k, new_v, slots, positions), dtype, 1)
+    for layer, (a, b) in enumerate(zip(ours, xla)):
+        np.testing.assert_array_equal(a, b, err_msg=f"cache {layer}")
+
+
+def test_the_public_writes_take_the_native_call_on_one_cpu_device():
+    k, v = caches(jnp.float16, 0)
+    k, v = [jnp.asarray(a) for a in k], [jnp.asarray(a) for a in v]
+    rows = [jnp.zeros((1, HEADS, DIM), jnp.float32)] * LAYERS
+    assert kv_writes._native(k, rows)
+    assert not kv_writes._native(k, [r.astype(jnp.bfloat16) for r in rows])  # rows not float32: XLA's write
+    k, v = kv_writes.write_rows(k, v, rows, rows, np.array([2], np.int32), np.array([5], np.int32))
+    assert not np.asarray(k[0][2, :, :, 5], np.float32).any() and np.asarray(k[0][1, :, :, 5]).any()
+
+
+def test_a_write_of_the_wrong_shape_is_refused():
+    k, v = caches(jnp.float32, 0)
+    wrong = [jnp.zeros((1, HEADS + 1, DIM), jnp.float32)] * LAYERS
+    with pytest.raises(Exception, match="do not fit"):
+        kv_writes._write_native([jnp.asarray(a) for a in k], [jnp.asarray(a) for a in v], wrong, wrong,
+                                np.array([0], np.int32), np.array([0], np.int32), chunk=False)
