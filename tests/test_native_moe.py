@@ -52,6 +52,19 @@ def test_the_kernel_equals_the_xla_loop(pair):
         assert np.abs(kernel - xla).max() / np.abs(xla).max() < 1e-4, tokens
 
 
+def test_balanced_and_lopsided_routing_both_equal_the_xla_loop():
+    """Many rows an expert, spread evenly (the experts then run side by side, one a
+    thread) and gathered on one expert (its products are shared out instead)."""
+    gate_up, down = stacks("Q4_K", "Q6_K", 256, 256)
+    tokens = 60
+    x, weights, _ = routing(tokens, 256, seed=5)
+    balanced = np.stack([[t % EXPERTS, (t + 1) % EXPERTS] for t in range(tokens)]).astype(np.int32)
+    lopsided = np.stack([[0, 1 + t % (EXPERTS - 1)] for t in range(tokens)]).astype(np.int32)
+    for ids in (balanced, lopsided):
+        kernel, xla = both(x, weights, ids, gate_up, down)
+        assert np.abs(kernel - xla).max() / np.abs(xla).max() < 1e-4
+
+
 def test_the_activation_holds_in_both_tails_in_every_instruction_set(isa):
     """silu's gate far below zero (where e^-g passes float32's range) and far above: the
     vector exponential of each instruction set, clamped, gives what XLA's silu gives."""
