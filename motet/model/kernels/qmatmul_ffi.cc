@@ -45,6 +45,9 @@ Choice& chosen() {
   return choice;
 }
 
+// Work shared out over XLA's intra-op threads, as the FFI hands them to a call.
+motet_qmatmul::Parallel on_pool(ffi::ThreadPool& threads) { return {&threads, motet_qmatmul::for_each_on_pool}; }
+
 // 0 until set: then the CPU's vendor decides (matvec_avx512.inc says why)
 std::atomic<int> rows_at_once{0};
 
@@ -127,7 +130,7 @@ ffi::Error Product(ffi::ThreadPool& threads, ffi::Buffer<ffi::F32>& x, const Mat
   if (auto e = matrix_of(m, k, index, "qmatmul", w, stack); e.failure()) return e;
   if (static_cast<int64_t>(out->element_count()) != rows * w.n)
     return ffi::Error::InvalidArgument("qmatmul: shapes do not agree");
-  chosen().impl(w, x.typed_data(), rows, out->typed_data(), motet_qmatmul::Parallel{&threads, motet_qmatmul::for_each_on_pool});
+  chosen().impl(w, x.typed_data(), rows, out->typed_data(), on_pool(threads));
   return ffi::Error::Success();
 }
 
@@ -184,7 +187,7 @@ ffi::Error MoeExperts(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::Buf
   m.ids = ids.typed_data();
   m.weights = weights.typed_data();
   m.out = out->typed_data();
-  motet_qmatmul::moe_experts(m, chosen().impl, chosen().swiglu, motet_qmatmul::Parallel{&threads, motet_qmatmul::for_each_on_pool});
+  motet_qmatmul::moe_experts(m, chosen().impl, chosen().swiglu, on_pool(threads));
   return ffi::Error::Success();
 }
 
@@ -221,7 +224,7 @@ ffi::Error AttendRows(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buf
                                    q.typed_data(), k_new.typed_data(), v_new.typed_data(),
                                    k_cache.untyped_data(), v_cache.untyped_data(), elem, slots.typed_data(),
                                    positions.typed_data(), out->typed_data()};
-  chosen().attend(a, motet_qmatmul::Parallel{&threads, motet_qmatmul::for_each_on_pool});
+  chosen().attend(a, on_pool(threads));
   return ffi::Error::Success();
 }
 
@@ -249,7 +252,7 @@ ffi::Error AttendChunk(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Bu
                                         has_history ? k_cache.untyped_data() : nullptr,
                                         has_history ? v_cache.untyped_data() : nullptr, elem,
                                         slot.typed_data()[0], offset.typed_data()[0], out->typed_data()};
-  chosen().attend_chunk(a, motet_qmatmul::Parallel{&threads, motet_qmatmul::for_each_on_pool});
+  chosen().attend_chunk(a, on_pool(threads));
   return ffi::Error::Success();
 }
 
