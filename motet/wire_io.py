@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 
 import trio
 
@@ -23,6 +23,7 @@ from . import sessions
 from .protocol import wire
 from .protocol.session_file import SessionError, SessionHeader
 from .protocol.wire import K_ERROR, K_FIRST, K_LAYER, Frame, Msg, WireError
+from .runtime.groups import sole_error
 
 RECEIVE_SIZE = 1 << 18  # bytes asked of the socket at a time
 SEND_WHOLE = 1 << 16  # a payload up to this size goes out joined to its head, larger ones after it
@@ -167,18 +168,6 @@ async def send_layers(frames: FrameStream, hold, tokens: int, layers: int) -> in
                     await frames.send(K_LAYER, payload)
                     sent += len(payload)
     return sent
-
-
-@contextmanager
-def sole_error():
-    """A task group's one error as itself, so callers catch it by its type."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        exc = group
-        while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-            exc = exc.exceptions[0]
-        raise exc from None
 
 
 class Handover:

@@ -33,6 +33,7 @@ from .protocol.session_file import SessionHeader
 from .protocol.wire import K_DECODE, K_ERROR, K_FIRST, K_GEN, K_PREFILL, K_RESULT, Frame, Msg, WireError
 from .runtime.api import GenerationRequest
 from .runtime.errors import BadRequest, ContextExceeded, EmptyPrompt, EngineError
+from .runtime.groups import sole_error
 from .wire_io import (
     HANDOVER_ERRORS,
     FrameStream,
@@ -43,7 +44,6 @@ from .wire_io import (
     parse_address,
     refusal,
     send_layers,
-    sole_error,
 )
 
 log = logging.getLogger("motet.worker")

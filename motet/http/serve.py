@@ -22,6 +22,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
+from ..runtime.groups import sole
 from .app import create_app
 from .restart import RestartingEngine
 from .send_timeout import SendTimeout
@@ -153,10 +154,3 @@ def run(settings: ServeSettings, model=None, mirror=None) -> int:
         sys.stderr.write(f"motet: error: {exc}\n")
         return 2
     return 0
-
-
-def sole(group: BaseExceptionGroup) -> BaseException:
-    """The one exception inside nested groups of one; the group when there are more."""
-    while isinstance(group, BaseExceptionGroup) and len(group.exceptions) == 1:
-        group = group.exceptions[0]
-    return group
