@@ -23,22 +23,11 @@ from . import sessions
 from .protocol import wire
 from .protocol.session_file import SessionError, SessionHeader
 from .protocol.wire import K_ERROR, K_FIRST, K_LAYER, Frame, Msg, WireError
+from .runtime.addresses import parse_address
 from .runtime.groups import sole_error
 
 RECEIVE_SIZE = 1 << 18  # bytes asked of the socket at a time
 SEND_WHOLE = 1 << 16  # a payload up to this size goes out joined to its head, larger ones after it
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """"host:port" (an IPv6 host in brackets: "[::1]:7000") → (host, port)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 0xFFFF:
-        raise ValueError(f"an address is HOST:PORT, not {address!r}")
-    return host.removeprefix("[").removesuffix("]"), int(port)
-
-
-def format_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class FrameStream:

@@ -32,6 +32,7 @@ from .protocol import wire
 from .protocol.session_file import SessionHeader
 from .protocol.wire import K_DECODE, K_ERROR, K_FIRST, K_GEN, K_PREFILL, K_RESULT, Frame, Msg, WireError
 from .runtime.api import GenerationRequest
+from .runtime.addresses import format_address, parse_address
 from .runtime.errors import BadRequest, ContextExceeded, EmptyPrompt, EngineError
 from .runtime.groups import sole_error
 from .wire_io import (
@@ -40,8 +41,6 @@ from .wire_io import (
     Handover,
     connect,
     facts,
-    format_address,
-    parse_address,
     refusal,
     send_layers,
 )
@@ -61,9 +60,10 @@ class WorkerSettings:
     def __post_init__(self):
         if self.role not in ROLES:
             raise ValueError(f"a worker's role is one of {', '.join(ROLES)}, not {self.role!r}")
-        for address in (self.listen, self.prefill):
-            if address is not None:
-                parse_address(address)
+        if self.listen is not None:
+            parse_address(self.listen, listening=True)
+        if self.prefill is not None:
+            parse_address(self.prefill)
         if not self.request_wait > 0:
             raise ValueError(f"the request wait is a positive number of seconds, not {self.request_wait}")
 
@@ -145,7 +145,7 @@ class Worker:
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED):
         """Accept connections until cancelled; `task_status` gets the bound HOST:PORT."""
-        host, port = parse_address(self.settings.listen)
+        host, port = parse_address(self.settings.listen, listening=True)
         listeners = await trio.open_tcp_listeners(port, host=host)
         task_status.started(format_address(*listeners[0].socket.getsockname()[:2]))
         await trio.serve_listeners(self.serve_connection, listeners)

@@ -22,7 +22,8 @@ from conftest import GOLDEN, REPO
 from motet.cli import main
 from motet.engine import Engine
 from motet.protocol import mux
-from motet.runtime.distributed import DistributedSettings, parse_address
+from motet.runtime.addresses import format_address, parse_address
+from motet.runtime.distributed import DistributedSettings
 
 PROMPT = b"<|im_start|>user\nTell me about the sea.<|im_end|>\n<|im_start|>assistant\n"
 NEXT = b"<|im_end|>\n<|im_start|>user\nAnd the mountains?<|im_end|>\n<|im_start|>assistant\n"
@@ -76,8 +77,12 @@ def test_a_bad_variable_is_named():
 
 def test_addresses():
     assert parse_address("127.0.0.1:5000") == ("127.0.0.1", 5000)
-    assert parse_address("[::1]:5000") == ("[::1]", 5000)
+    assert parse_address("[::1]:5000") == ("::1", 5000)
     assert parse_address("node-7.cluster:80") == ("node-7.cluster", 80)
+    assert parse_address(format_address("::1", 7000)) == ("::1", 7000)  # brackets written and read back
+    assert parse_address("127.0.0.1:0", listening=True) == ("127.0.0.1", 0)  # a listener: any free port
+    with pytest.raises(ValueError, match=r"an address needs a port in \[1, 65535\], not '127.0.0.1:0'"):
+        parse_address("127.0.0.1:0")  # a peer to reach
 
 
 def test_the_commands_refuse_a_group_without_a_mesh(capsys):

@@ -21,7 +21,6 @@ JAX is imported inside the functions: only a process that joins a group needs it
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import threading
 import time
@@ -30,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..protocol.mirror import Op, encode, join, parts_in, split
+from .addresses import parse_address
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class DistributedSettings:
                 or not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"the process id must be in [0, {self.num_processes - 1}] for "
                              f"{self.num_processes} processes, got {self.process_id!r}")
-        parse_address(self.coordinator)
+        parse_address(self.coordinator, "the coordinator address")
 
     @classmethod
     def from_args(cls, args, env) -> DistributedSettings | None:
@@ -88,23 +88,6 @@ class DistributedSettings:
     @property
     def leader(self) -> bool:
         return self.process_id == 0
-
-
-def parse_address(text: str) -> tuple[str, int]:
-    """HOST:PORT (an IPv6 host in brackets) → (host, port); ValueError with the reason."""
-    host, colon, port = str(text).rpartition(":")
-    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"the coordinator address is HOST:PORT with a port in [1, 65535], got {text!r}")
-    if host.startswith("["):
-        if not host.endswith("]"):
-            raise ValueError(f"an IPv6 coordinator host goes in brackets, [::1]:PORT, got {text!r}")
-        try:
-            ipaddress.IPv6Address(host[1:-1])
-        except ValueError:
-            raise ValueError(f"{host[1:-1]!r} in {text!r} is not an IPv6 address") from None
-    elif ":" in host or any(c.isspace() for c in host):
-        raise ValueError(f"the coordinator address is HOST:PORT (IPv6 in brackets), got {text!r}")
-    return host, int(port)
 
 
 def frame_key(follower: int, n: int) -> str:
