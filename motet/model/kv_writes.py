@@ -3,8 +3,8 @@
 The steps (forward.py) only read the caches and return the new rows: reading and
 writing the same donated array in one step makes XLA copy the whole cache. On the CPU
 the writes are one native call for every layer (kernels/kv_write.cc), where XLA's form
-below was a few kernels a layer and cache, and each compiled write (one a row count and
-a chunk size) held 5 to 12 MB (docs/performance.md). Caches spread over several
+below was a few kernels a layer and cache, and its compiled writes (one a row count and
+a chunk size) held twice the memory (benchmarks/kv_writes.py). Caches spread over several
 devices (a mesh) take XLA's form, which its partitioner splits.
 """
 

@@ -1,8 +1,8 @@
 // New K and V rows stored into every layer's cache in one call, in place (the caches are
 // aliased to the results). XLA:CPU wrote them as a few kernels a layer and cache (a
-// slice, a roll, a select and an update for a chunk; a scatter for decode rows), and a
-// compiled write held 5 to 12 MB of memory for each row count and chunk size an engine
-// warms up (docs/performance.md); this one holds about 1.5 MB.
+// slice, a roll, a select and an update for a chunk; a scatter for decode rows), and its
+// compiled writes, one for each row count and chunk size an engine warms up, held twice
+// the memory these do (benchmarks/kv_writes.py).
 //
 // Two forms of the new rows, as forward.py's steps return them:
 //   rows   K and V [b, kv_heads, head_dim]: row r at position positions[r] of slot slots[r]
