@@ -52,7 +52,7 @@ def child(args) -> None:
     """One start and its two bursts; one JSON line on stdout."""
     import trio
 
-    from motet.engine import Engine
+    from motet.engines.engine import Engine
 
     async def main():
         started = time.perf_counter()

@@ -32,13 +32,13 @@ import jax
 import trio
 
 from engine_throughput import prompt_for
-from motet.engine import Engine
+from motet.engines.engine import Engine
 from motet.model import default_model_path, load_model
-from motet.mux_engine import MuxEngine
+from motet.engines.mux_engine import MuxEngine
 from motet.protocol import wire
 from motet.runtime.api import TokenEvent
-from motet.split import open_split_engines
-from motet.split_settings import SplitSettings
+from motet.engines.split import open_split_engines
+from motet.runtime.split_settings import SplitSettings
 
 STREAMS = 8
 

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import trio
 
-from motet.engine import Engine
+from motet.engines.engine import Engine
 from motet.model import load_model
 from motet.model.generate import decode_step
 from motet.model.kv import KVGeometry, init_kv

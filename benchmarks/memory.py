@@ -23,7 +23,7 @@ def child(args) -> None:
     import psutil
     import trio
 
-    from motet.engine import Engine
+    from motet.engines.engine import Engine
     from motet.model import load_model
 
     def sample() -> dict:

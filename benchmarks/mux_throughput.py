@@ -24,9 +24,9 @@ import jax
 import trio
 
 from engine_throughput import prompt_for
-from motet.engine import Engine
+from motet.engines.engine import Engine
 from motet.model import default_model_path, load_model
-from motet.mux_engine import MuxEngine
+from motet.engines.mux_engine import MuxEngine
 from motet.runtime.api import TokenEvent
 
 STREAMS = 16

@@ -150,7 +150,7 @@ async def motet_runs(model, runs: list[Workload], context: int) -> list[dict]:
     context: positions a stream may use, as llama.cpp's cells per sequence."""
     import trio
 
-    from motet.engine import Engine
+    from motet.engines.engine import Engine
 
     out = []
     async with Engine(model=model, kv_slots=STREAMS, max_context=context, prefill_chunk=256) as engine:

@@ -291,7 +291,7 @@ async def run_target(target: str, args) -> dict:
     common = dict(port=0, kv_slots=args.kv_slots, max_context=args.max_context, queue_limit=64,
                   max_body_bytes=args.max_body_bytes)
     if target == "engine":
-        from motet.engine import Engine
+        from motet.engines.engine import Engine
 
         settings = ServeSettings(**common)
         engine_cm = Engine(args.model, kv_slots=args.kv_slots, max_context=args.max_context,

@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     servep.add_argument("--cors-origin", action="append", default=[], help="an allowed origin (repeatable)")
     servep.add_argument("--max-body-bytes", type=int, default=1 << 20)
     servep.add_argument("--queue-limit", type=int, default=64, help="requests waiting for a slot (past it: 429)")
-    servep.add_argument("--web-dir", type=Path, default=None, help="the folder served at / (default: the repo's web/)")
+    servep.add_argument("--web-dir", type=Path, default=None, help="the folder served at / (default: the page shipped in the package, motet/web/)")
     servep.add_argument("--engine-cmd", default=None, help='a mux engine to drive, e.g. "motet mux"')
     servep.add_argument("--send-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="close a connection whose client takes no bytes of an answer for this long "
@@ -192,7 +192,7 @@ def open_model(settings: ModelSettings, lazy_experts: bool = False):
 
 def cmd_info(args) -> int:
     from .actors.warmup import WarmupPlan
-    from .engine import PREFILL_CHUNK
+    from .engines.engine import PREFILL_CHUNK
     from .model.kv import KVGeometry, kv_bytes_per_position
 
     from .model.loader import kernel_name
@@ -327,7 +327,7 @@ def cmd_mux(args, mirror=None) -> int:
 
     from .actors.legacy_bridge import LegacyBridge, LegacySettings
     from .actors.stdio_bridge import BridgeSettings, StdioBridge
-    from .engine import Engine
+    from .engines.engine import Engine
 
     mux = MuxSettings.from_args(args, os.environ)
     if not 1 <= mux.kv_slots <= 16:
@@ -399,7 +399,7 @@ async def _stop_on_signal(intake, scope):
 def cmd_serve(args, mirror=None) -> int:
     from .http.serve import run
     from .http.settings import ServeSettings
-    from .split_settings import SplitSettings
+    from .runtime.split_settings import SplitSettings
 
     extra = {"web_dir": args.web_dir} if args.web_dir is not None else {}
     settings = ServeSettings(
@@ -418,7 +418,7 @@ def cmd_serve(args, mirror=None) -> int:
 
 
 def cmd_worker(args) -> int:
-    from .worker import run_worker
+    from .wire.worker import run_worker
 
     return run_worker(args, model_settings(args).compile_cache)
 

@@ -156,7 +156,7 @@ def check_models() -> list[dict]:
 async def _engine_turns(model_path: Path, mesh) -> dict:
     import trio
 
-    from motet.engine import Engine
+    from motet.engines.engine import Engine
 
     prompt = np.load(model_path / "golden.npz")["prompt_ids"].tolist()
     prompts = [prompt, prompt[3:], prompt[::-1]]
@@ -326,7 +326,7 @@ def check_tiered(arch: str = "qwen3_moe") -> list[dict]:
 async def _tiered_engine(mesh, arch: str = "qwen3_moe") -> dict:
     """Three requests through an Engine: resident on one device (mesh None), or tiered at
     half the experts per layer on the mesh."""
-    from motet.engine import Engine
+    from motet.engines.engine import Engine
     from motet.runtime.config import ExpertSettings
 
     path = GOLDEN / arch

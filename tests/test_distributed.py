@@ -20,7 +20,7 @@ import trio
 
 from conftest import GOLDEN, REPO
 from motet.cli import main
-from motet.engine import Engine
+from motet.engines.engine import Engine
 from motet.protocol import mux
 from motet.runtime.addresses import format_address, parse_address
 from motet.runtime.distributed import DistributedSettings

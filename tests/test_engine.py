@@ -26,8 +26,8 @@ import trio.testing
 
 from conftest import MUX_COMMAND
 from motet.actors.policy import common_prefix
-from motet.engine import Engine
-from motet.mux_engine import MuxEngine
+from motet.engines.engine import Engine
+from motet.engines.mux_engine import MuxEngine
 from motet.runtime.api import FinishEvent, Telemetry, TokenEvent
 from motet.runtime.errors import (
     BadRequest,

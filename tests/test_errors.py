@@ -193,7 +193,7 @@ def test_errors_share_a_base_class():
 
 
 def test_an_unknown_kv_dtype_is_refused_with_the_choices():
-    from motet.engine import Engine
+    from motet.engines.engine import Engine
     from motet.runtime.config import ModelSettings
 
     with pytest.raises(UnsupportedModelError, match="unsupported KV dtype 'int3'; choose one of auto, float32"):

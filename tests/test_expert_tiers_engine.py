@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from conftest import GOLDEN, REPO
-from motet.engine import Engine
+from motet.engines.engine import Engine
 from motet.protocol import mux
 from motet.runtime.config import ExpertSettings
 

@@ -46,7 +46,7 @@ from motet.http.openai_schema import ROLES, InvalidRequest, Limits, parse_chat, 
 from motet.http.settings import ServeSettings
 from motet.model.chat_template import ChatTemplateError
 from motet.model.loader import load_chat
-from motet.mux_engine import MuxEngine
+from motet.engines.mux_engine import MuxEngine
 from motet.protocol import legacy, mux, wire
 from motet.protocol.session_file import SessionError, read_session
 

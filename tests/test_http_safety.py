@@ -182,8 +182,9 @@ async def test_path_traversal_is_404(llama, web, target):
 
 
 async def test_repo_file_is_not_reachable_through_the_default_web_dir(llama):
-    async with tiny_server(llama) as (engine, url):  # the repo's web/ (or none)
-        for target in ("/../pyproject.toml", "/%2e%2e/pyproject.toml", "/static/..%2f..%2fpyproject.toml"):
+    async with tiny_server(llama) as (engine, url):  # the package's web/, two folders below pyproject.toml
+        for target in ("/../pyproject.toml", "/../../pyproject.toml", "/%2e%2e/%2e%2e/pyproject.toml",
+                       "/static/..%2f..%2f..%2fpyproject.toml"):
             status, body = await raw_get(url, target)
             assert status == 404, target
             assert b"[project]" not in body

@@ -16,7 +16,7 @@ from conftest import TINY_ARCHS, TINY_GEO
 from motet.actors.expert_policy import ExpertPlan
 from motet.actors.runner import ModelRunner
 from motet.actors.step_rows import SamplingRow
-from motet.engine import Engine
+from motet.engines.engine import Engine
 from motet.model.generate import generate
 
 SAMPLED = dict(temperature=0.8, top_p=0.95)

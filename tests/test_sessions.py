@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import trio
 
-from motet.engine import Engine
+from motet.engines.engine import Engine
 from motet.protocol.session_file import SessionError
 from motet.runtime.errors import SlotBusy
 

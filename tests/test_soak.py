@@ -12,7 +12,7 @@ import trio
 from conftest import GOLDEN, REPO
 from test_http import MUX_CMD, TIMEOUT
 
-from motet.engine import Engine
+from motet.engines.engine import Engine
 from motet.http.serve import open_engine
 from motet.http.settings import ServeSettings
 

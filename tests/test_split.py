@@ -1,4 +1,4 @@
-"""Split serving (motet/split.py, split_settings.py): the settings and every refusal with its sentence; the
+"""Split serving (motet/engines/split.py, runtime/split_settings.py): the settings and every refusal with its sentence; the
 slot table alone; then two real `motet mux` children on the tiny llama: long prompts
 handed over give the greedy text of one engine, short ones are read in place, handovers
 run while other slots decode, and a dead prefill engine or a refused session file only
@@ -15,11 +15,11 @@ import trio
 import trio.testing
 
 from conftest import GOLDEN, MUX_COMMAND
-from motet.engine import Engine
+from motet.engines.engine import Engine
 from motet.runtime.errors import BadRequest, Cancelled, QueueFull, SlotBusy
-from motet.split import SplitEngine, SplitStatistics, open_split_engines
-from motet.split_slots import SlotTable
-from motet.split_settings import SplitConfigError, SplitSettings
+from motet.engines.split import SplitEngine, SplitStatistics, open_split_engines
+from motet.engines.split_slots import SlotTable
+from motet.runtime.split_settings import SplitConfigError, SplitSettings
 
 TIMEOUT = 240  # seconds
 LLAMA = GOLDEN / "llama"
@@ -294,7 +294,7 @@ async def test_a_dead_prefill_engine_is_not_asked_until_it_is_back(tiny_model, c
             stats = split.split_statistics()
     assert texts == expected
     assert (stats.requests, stats.handovers, stats.fallbacks, stats.prefill_alive) == (2, 0, 2, False)
-    reasons = [r.getMessage() for r in caplog.records if r.name == "motet.split" and "no handover" in r.getMessage()]
+    reasons = [r.getMessage() for r in caplog.records if r.name == "motet.engines.split" and "no handover" in r.getMessage()]
     assert len(reasons) == 2 and all("the prefill engine is not running" in r for r in reasons)
 
 
@@ -314,7 +314,7 @@ async def test_a_refused_session_file_falls_back(tiny_model, caplog):
     assert got.stats.reused_tokens == 0  # the decode engine read the prompt itself
     assert (stats.requests, stats.handovers, stats.fallbacks) == (1, 0, 1)
     assert any("SessionError" in r.getMessage() and "checksum" in r.getMessage()
-               for r in caplog.records if r.name == "motet.split")
+               for r in caplog.records if r.name == "motet.engines.split")
 
 
 async def test_cancel_during_a_handover_ends_the_request_and_frees_its_slots(tiny_model):

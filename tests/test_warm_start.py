@@ -16,9 +16,9 @@ import trio
 from conftest import GOLDEN, REPO, metric
 
 from motet.actors.warmup import WarmupPlan
-from motet.engine import Engine
+from motet.engines.engine import Engine
 from motet.model.kv import KVGeometry
-from motet.mux_engine import MuxEngine
+from motet.engines.mux_engine import MuxEngine
 from motet.runtime.config import ExpertSettings
 
 TIMEOUT = 600  # seconds per start: a cold one compiles everything

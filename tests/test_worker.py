@@ -25,7 +25,7 @@ import trio
 from motet.protocol import wire
 from motet.protocol.wire import K_DECODE, K_ERROR, K_FIRST, K_GEN, K_LAYER, K_PREFILL, K_RESULT, Frame, Msg
 from motet.runtime.addresses import format_address, parse_address
-from motet.wire_io import FrameStream, connect, request
+from motet.wire.frame_io import FrameStream, connect, request
 
 from conftest import COMPILE_CACHE, GOLDEN, REPO
 

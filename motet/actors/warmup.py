@@ -19,7 +19,7 @@ from ..model.expert_pool import move_sizes
 from ..model.kv import KVGeometry
 from ..runtime.api import StartupReport
 
-log = logging.getLogger("motet.engine")
+log = logging.getLogger("motet.engines.engine")
 
 PREFILL, DECODE, SLOT_WIDTH, EXPERT_MOVE = "prefill", "decode", "slot", "experts"
 

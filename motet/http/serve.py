@@ -24,7 +24,7 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from ..runtime.groups import sole
 from .app import create_app
-from .restart import RestartingEngine
+from ..engines.restarting import RestartingEngine
 from .send_timeout import SendTimeout
 from .settings import ServeSettings
 
@@ -82,7 +82,7 @@ async def open_engine(settings: ServeSettings, model, mirror=None):
     that is started again whenever the child exits, or with `split` a SplitEngine over two
     of them (`engine_cmd`, default `motet mux`)."""
     if settings.split is not None:
-        from ..split import open_split_engines
+        from ..engines.split import open_split_engines
 
         async with open_split_engines(settings.split, settings.model_path, kv_slots=settings.kv_slots,
                                       max_context=settings.max_context, command=settings.engine_cmd,
@@ -90,7 +90,7 @@ async def open_engine(settings: ServeSettings, model, mirror=None):
             yield engine
         return
     if settings.engine_cmd is None:
-        from ..engine import Engine
+        from ..engines.engine import Engine
 
         async with Engine(model, kv_slots=settings.kv_slots, max_context=settings.max_context,
                           queue_limit=settings.queue_limit, experts=settings.experts,
@@ -98,7 +98,7 @@ async def open_engine(settings: ServeSettings, model, mirror=None):
                           warm_up=settings.warm_up) as engine:
             yield engine
         return
-    from ..mux_engine import MuxEngine
+    from ..engines.mux_engine import MuxEngine
 
     env = {"CTX": str(settings.max_context)}
     if settings.model_path is not None:

@@ -19,12 +19,12 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from . import sessions
-from .protocol import wire
-from .protocol.session_file import SessionError, SessionHeader
-from .protocol.wire import K_ERROR, K_FIRST, K_LAYER, Frame, Msg, WireError
-from .runtime.addresses import parse_address
-from .runtime.groups import sole_error
+from ..engines import sessions
+from ..protocol import wire
+from ..protocol.session_file import SessionError, SessionHeader
+from ..protocol.wire import K_ERROR, K_FIRST, K_LAYER, Frame, Msg, WireError
+from ..runtime.addresses import parse_address
+from ..runtime.groups import sole_error
 
 RECEIVE_SIZE = 1 << 18  # bytes asked of the socket at a time
 SEND_WHOLE = 1 << 16  # a payload up to this size goes out joined to its head, larger ones after it

@@ -21,19 +21,19 @@ from pathlib import Path
 import trio
 
 from . import sessions
-from .actors.expert_cache import ExpertCache, HeatFile, SaveHeat
-from .actors.expert_policy import ExpertPlan, ExpertPolicy, PolicySettings, default_heat_path, plan_experts
-from .actors.kv_slot import KVSlot
-from .actors.runner import ModelRunner
-from .actors.scheduler import Cancel, Drain, Scheduler, StopNow, Submit, Subscribe
-from .actors.warmup import StartupClock, WarmupPlan
-from .model.compilation import current_compile_cache
-from .model.kv import KV_DTYPE_CHOICES, KVGeometry
-from .model.model import Model
-from .model.sharding import MeshSpec
-from .model.tiered import shared_weight_bytes
-from .runtime.actor import EventStream, open_reply, open_stream
-from .runtime.api import (
+from ..actors.expert_cache import ExpertCache, HeatFile, SaveHeat
+from ..actors.expert_policy import ExpertPlan, ExpertPolicy, PolicySettings, default_heat_path, plan_experts
+from ..actors.kv_slot import KVSlot
+from ..actors.runner import ModelRunner
+from ..actors.scheduler import Cancel, Drain, Scheduler, StopNow, Submit, Subscribe
+from ..actors.warmup import StartupClock, WarmupPlan
+from ..model.compilation import current_compile_cache
+from ..model.kv import KV_DTYPE_CHOICES, KVGeometry
+from ..model.model import Model
+from ..model.sharding import MeshSpec
+from ..model.tiered import shared_weight_bytes
+from ..runtime.actor import EventStream, open_reply, open_stream
+from ..runtime.api import (
     EngineStatistics,
     ExpertState,
     ExpertTiers,
@@ -43,11 +43,11 @@ from .runtime.api import (
     StepRouting,
     Telemetry,
 )
-from .runtime.collect import Collected, read_prompt
-from .runtime.config import DEFAULT_COMPILE_CACHE, ExpertSettings
-from .runtime.errors import BadRequest, EngineClosed, EngineError, NotFound
-from .runtime.experts import HITS_EVERY, ExpertMap, turn_entropy
-from .runtime.service import Service
+from ..runtime.collect import Collected, read_prompt
+from ..runtime.config import DEFAULT_COMPILE_CACHE, ExpertSettings
+from ..runtime.errors import BadRequest, EngineClosed, EngineError, NotFound
+from ..runtime.experts import HITS_EVERY, ExpertMap, turn_entropy
+from ..runtime.service import Service
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class Engine(Service, Collected):
             if self.kv_dtype == "auto":
                 return self._model_arg
             return replace(self._model_arg, kv_dtype=self.kv_dtype)
-        from .model.loader import load_model
+        from ..model.loader import load_model
 
         started = time.monotonic()
         log.info("loading %s", self._model_arg or "the default model")
@@ -207,7 +207,7 @@ class Engine(Service, Collected):
     def _plan_experts(self) -> ExpertPolicy | None:
         """Resident or tiered (expert_plan), and the policy that keeps the heat (None
         for a dense model). A budget too small for the model raises ValueError here."""
-        from .model.expert_source import expert_bytes, with_packed_experts
+        from ..model.expert_source import expert_bytes, with_packed_experts
 
         model, settings = self.model, self.expert_settings
         cfg = model.config

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import trio
 
-from .actors.policy import SlotView, choose_slot, reusable_prefix
-from .runtime.errors import BadRequest, QueueFull, SlotBusy
+from ..actors.policy import SlotView, choose_slot, reusable_prefix
+from ..runtime.errors import BadRequest, QueueFull, SlotBusy
 
 
 class _Waiter:

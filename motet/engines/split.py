@@ -40,14 +40,14 @@ from pathlib import Path
 
 import trio
 
-from .runtime.api import EngineStatistics, ExpertState, TokenEvent
-from .runtime.collect import Collected
-from .runtime.errors import Cancelled, DuplicateId, EngineClosed, NotFound
-from .runtime.service import Service
-from .split_settings import RoleArgs, SplitSettings
+from ..runtime.api import EngineStatistics, ExpertState, TokenEvent
+from ..runtime.collect import Collected
+from ..runtime.errors import Cancelled, DuplicateId, EngineClosed, NotFound
+from ..runtime.service import Service
+from ..runtime.split_settings import RoleArgs, SplitSettings
 from .split_slots import SlotTable
 
-log = logging.getLogger(__name__)  # "motet.split"
+log = logging.getLogger(__name__)  # "motet.engines.split"
 
 PREFILL_RESTART_EVERY_S = 60.0  # a prefill engine that died is started again at most this often
 DECODE_RESTART_EVERY_S = 1.0  # the decode engine serves everything: again at once, but no busy loop
@@ -585,7 +585,7 @@ def open_split_engines(settings: SplitSettings, model_path: str | Path | None, *
     def encode(prompt: str) -> list[int]:
         nonlocal tokenizer
         if tokenizer is None:  # the tokenizer file only, read once, as Engine.encode reads
-            from .model.loader import load_chat
+            from ..model.loader import load_chat
 
             tokenizer = load_chat(model_path)[0]
         add_bos = tokenizer.add_bos and not (tokenizer.bos_token and prompt.startswith(tokenizer.bos_token))

@@ -14,12 +14,12 @@ import jax
 import numpy as np
 import trio
 
-from . import __version__
-from .actors.slot_io import FreeSlot, HoldSlot, ReadLayers, WriteLayers
-from .model.kv import KV_LAYOUT
-from .model.model import Model
-from .protocol.session_file import Session, SessionError, SessionHeader, read_session, write_session
-from .runtime.api import SlotFile
+from .. import __version__
+from ..actors.slot_io import FreeSlot, HoldSlot, ReadLayers, WriteLayers
+from ..model.kv import KV_LAYOUT
+from ..model.model import Model
+from ..protocol.session_file import Session, SessionError, SessionHeader, read_session, write_session
+from ..runtime.api import SlotFile
 
 Ask = Callable[[Callable], Awaitable]  # Engine._ask: send a message with a reply channel, await the answer
 

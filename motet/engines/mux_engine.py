@@ -37,16 +37,16 @@ from pathlib import Path
 
 import trio
 
-from .actors.policy import SlotView, choose_slot
+from ..actors.policy import SlotView, choose_slot
 from .mux_stream import EngineExited, EngineStartError, MuxStream, engine_error
-from .protocol import mux
-from .protocol.session_file import SessionError
-from .runtime.api import (EngineStatistics, ExpertState, GenerationRequest, Perf, SlotFile, StartupReport,
+from ..protocol import mux
+from ..protocol.session_file import SessionError
+from ..runtime.api import (EngineStatistics, ExpertState, GenerationRequest, Perf, SlotFile, StartupReport,
                           TurnStats)
-from .runtime.collect import Collected, read_prompt
-from .runtime.errors import (BadRequest, DuplicateId, EmptyPrompt, EngineClosed, EngineError, NotFound,
+from ..runtime.collect import Collected, read_prompt
+from ..runtime.errors import (BadRequest, DuplicateId, EmptyPrompt, EngineClosed, EngineError, NotFound,
                              QueueFull)
-from .runtime.service import Service
+from ..runtime.service import Service
 
 log = logging.getLogger(__name__)
 READ_SIZE = 65536
@@ -421,7 +421,7 @@ class MuxEngine(Service, Collected):
 
     def render_chat(self, messages: list[dict]) -> str:
         if self._render is None:  # read on first use: the tokenizer file only, no weights
-            from .model.loader import load_chat
+            from ..model.loader import load_chat
 
             self._render = load_chat(self._chat_model)[1]
         return self._render(messages)
@@ -430,7 +430,7 @@ class MuxEngine(Service, Collected):
     def name(self) -> str:
         """As Model.name, of chat_model (else SNAP, else the default model): the file's
         stem, or the directory's name."""
-        from .model.loader import DEFAULT_MODEL_FILE
+        from ..model.loader import DEFAULT_MODEL_FILE
 
         path = Path(self._chat_model or DEFAULT_MODEL_FILE)
         return path.stem if path.suffix == ".gguf" or path.is_file() else path.name

@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from .actors.policy import StopMatcher
-from .model.errors import ModelError
-from .protocol import mux
-from .runtime.actor import open_stream
-from .runtime.api import (FinishEvent, GenerationRequest, Perf, TokenEvent, TopCandidate, TurnReport,
+from ..actors.policy import StopMatcher
+from ..model.errors import ModelError
+from ..protocol import mux
+from ..runtime.actor import open_stream
+from ..runtime.api import (FinishEvent, GenerationRequest, Perf, TokenEvent, TopCandidate, TurnReport,
                           TurnStats)
-from .runtime.errors import (BadRequest, ContextExceeded, DuplicateId, EmptyPrompt, EngineClosed,
+from ..runtime.errors import (BadRequest, ContextExceeded, DuplicateId, EmptyPrompt, EngineClosed,
                              EngineError, SlotBusy)
 
 if TYPE_CHECKING:

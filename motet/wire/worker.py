@@ -26,16 +26,16 @@ from pathlib import Path
 
 import trio
 
-from .engine import Engine
-from .model.detokenizer import IncrementalDetokenizer
-from .protocol import wire
-from .protocol.session_file import SessionHeader
-from .protocol.wire import K_DECODE, K_ERROR, K_FIRST, K_GEN, K_PREFILL, K_RESULT, Frame, Msg, WireError
-from .runtime.api import GenerationRequest
-from .runtime.addresses import format_address, parse_address
-from .runtime.errors import BadRequest, ContextExceeded, EmptyPrompt, EngineError
-from .runtime.groups import sole_error
-from .wire_io import (
+from ..engines.engine import Engine
+from ..model.detokenizer import IncrementalDetokenizer
+from ..protocol import wire
+from ..protocol.session_file import SessionHeader
+from ..protocol.wire import K_DECODE, K_ERROR, K_FIRST, K_GEN, K_PREFILL, K_RESULT, Frame, Msg, WireError
+from ..runtime.api import GenerationRequest
+from ..runtime.addresses import format_address, parse_address
+from ..runtime.errors import BadRequest, ContextExceeded, EmptyPrompt, EngineError
+from ..runtime.groups import sole_error
+from .frame_io import (
     HANDOVER_ERRORS,
     FrameStream,
     Handover,
@@ -45,7 +45,7 @@ from .wire_io import (
     send_layers,
 )
 
-log = logging.getLogger("motet.worker")
+log = logging.getLogger("motet.wire.worker")
 
 ROLES = {"mono": K_GEN, "prefill": K_PREFILL, "decode": K_DECODE}  # the one kind each answers
 
