@@ -13,6 +13,7 @@ import trio
 from ..protocol import legacy, mux
 from ..runtime.api import FinishEvent, TokenEvent
 from ..runtime.errors import ContextExceeded, EngineError
+from ..runtime.engine_api import EngineAPI
 from .bridge import Intake, rss_gb
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ class LegacySettings:
 
 
 class LegacyBridge:
-    def __init__(self, engine, settings: LegacySettings, receive, send):
+    def __init__(self, engine: EngineAPI, settings: LegacySettings, receive, send):
         self.engine = engine
         self.settings = settings
         self.input = receive

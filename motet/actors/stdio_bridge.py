@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import re
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from ..protocol.session_file import SessionError
 from ..runtime.api import FinishEvent, StepRouting, TokenEvent
 from ..runtime.errors import BadRequest, ContextExceeded, DuplicateId, EngineError, NotFound, SlotBusy
 from ..runtime.experts import HITS_EVERY, ExpertMap, device_moves
+from ..runtime.engine_api import Events, InProcessEngineAPI
 from .bridge import Intake, cpu_name, rss_gb
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ class SlotStore:
     start and written at the end of every turn. A file that cannot be read or written
     costs a warning on stderr, never a turn; the writes that failed are counted."""
 
-    def __init__(self, engine, root: Path):
+    def __init__(self, engine: InProcessEngineAPI, root: Path):
         self.engine = engine
         self.folder = root.expanduser() / safe_name(engine.session_header.model)
         self.failures = 0  # writes that failed since start
@@ -88,7 +90,7 @@ class SlotStore:
 
 
 class StdioBridge:
-    def __init__(self, engine, settings: BridgeSettings, receive, send):
+    def __init__(self, engine: InProcessEngineAPI, settings: BridgeSettings, receive, send):
         self.engine = engine
         self.settings = settings
         self.input = receive
@@ -236,6 +238,7 @@ class StdioBridge:
         if not await self._claim(sub.request_id, sub.slot):
             return
         prompt = sub.payload.decode("utf-8", "replace")
+        request = AsyncExitStack()  # the stream block, left by _relay once the request is over
         try:
             if prefill:
                 stream = self.engine.stream(prompt, max_tokens=1, slot=sub.slot, request_id=sub.request_id,
@@ -246,19 +249,19 @@ class StdioBridge:
                     top_p=sub.top_p, slot=sub.slot, request_id=sub.request_id,
                     top_logprobs=5 if self.settings.topk else 0,
                 )
-            events = await stream.__aenter__()
+            events = await request.enter_async_context(stream)
         except EngineError as exc:
             self._release(sub.request_id, sub.slot)
             await self._write(self._error(sub.request_id, exc))
             return
-        requests.start_soon(self._relay, sub, stream, events)
+        requests.start_soon(self._relay, sub, request, events)
 
     def _error(self, rid: int, exc: EngineError) -> bytes:
         if isinstance(exc, ContextExceeded):
             return mux.encode_error(rid, exc.code, exc.used, exc.limit)
         return mux.encode_error(rid, exc.code)
 
-    async def _relay(self, sub: mux.Submit | mux.Prefill, stream, events):
+    async def _relay(self, sub: mux.Submit | mux.Prefill, request: AsyncExitStack, events: Events):
         """Write one request's frames; the request was accepted before this task starts."""
         rid = sub.request_id
         try:
@@ -278,7 +281,7 @@ class StdioBridge:
                     await self._write(self._finish(sub, event))
         finally:
             self._release(rid, sub.slot)
-            await stream.__aexit__(None, None, None)
+            await request.aclose()
 
     async def _persist(self, slot: int) -> None:
         """KVSAVE the slot; a write that failed is also told to the server, counted

@@ -16,7 +16,8 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from ..runtime.api import EngineStatistics, ExpertState
+from ..runtime.api import EngineStatistics, ExpertState, Health
+from ..runtime.collect import Collected
 from ..runtime.errors import EngineClosed
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class EngineUnavailable(EngineClosed):
         Exception.__init__(self, "the mux engine is starting again" + reason)
 
 
-class RestartingEngine:
+class RestartingEngine(Collected):
     def __init__(self, open_engine, *, kv_slots: int):
         """`open_engine()` returns a new MuxEngine (an async context manager)."""
         self._open = open_engine
@@ -105,6 +106,12 @@ class RestartingEngine:
     def render_chat(self, messages: list[dict]) -> str:
         return self._current().render_chat(messages)
 
+    async def cancel(self, request_id: int) -> None:
+        await self._current().cancel(request_id)
+
+    async def stop(self, request_id: int) -> None:
+        await self._current().stop(request_id)
+
     async def save_slot(self, slot: int, path):
         return await self._current().save_slot(slot, path)
 
@@ -125,3 +132,6 @@ class RestartingEngine:
     def startup(self):
         """How the running child came up (None between two children)."""
         return None if self._engine is None else self._engine.startup()
+
+    def health(self) -> Health:
+        return Health.of(self.statistics().closing, self.startup(), start_error=self.start_error)

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import trio
 
-from ..runtime.api import EngineStatistics, ExpertState, TokenEvent
+from ..runtime.api import EngineStatistics, ExpertState, Handover, Health, SplitStatistics, TokenEvent
 from ..runtime.collect import Collected
 from ..runtime.errors import Cancelled, DuplicateId, EngineClosed, NotFound
 from ..runtime.service import Service
@@ -53,62 +53,6 @@ PREFILL_RESTART_EVERY_S = 60.0  # a prefill engine that died is started again at
 DECODE_RESTART_EVERY_S = 1.0  # the decode engine serves everything: again at once, but no busy loop
 
 # ---- figures ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Handover:
-    """One handover's figures."""
-
-    tokens: int  # tokens the decode engine restored
-    bytes: int  # the session file's size
-    prefill_ms: float
-    save_ms: float
-    restore_ms: float
-
-
-@dataclass(frozen=True)
-class SplitStatistics:
-    """A snapshot. requests = handovers + fallbacks + short; the *_ms are sums over the
-    handovers (a fallback's partial work is not counted)."""
-
-    requests: int  # requests that reached a decode slot
-    handovers: int  # read by the prefill engine, restored into the decode slot
-    fallbacks: int  # a handover was due but failed: the decode engine read the prompt itself
-    short: int  # the decode engine read the new tokens in place (fewer than min_prompt_tokens)
-    bytes: int  # session file bytes handed over
-    prefill_ms: float
-    save_ms: float
-    restore_ms: float
-    prefill_alive: bool
-    decode_alive: bool
-    prefill_restarts: int  # prefill engines started after the first
-    min_prompt_tokens: int
-    last: Handover | None  # the latest handover's figures
-
-    def metrics(self) -> tuple[tuple[str, str, str, float], ...]:
-        """(name, "counter" or "gauge", help, value) for Prometheus; counters without
-        their `_total`, which the client library adds."""
-        counter, gauge = "counter", "gauge"
-        return (
-            ("motet_split_requests", counter, "Requests served by the split.", self.requests),
-            ("motet_split_handovers", counter, "Prompts read by the prefill engine and handed over.",
-             self.handovers),
-            ("motet_split_fallbacks", counter, "Handovers that failed: the decode engine read the prompt.",
-             self.fallbacks),
-            ("motet_split_short", counter, "Prompts short enough for the decode engine to read in place.",
-             self.short),
-            ("motet_split_handover_bytes", counter, "Session file bytes handed over.", self.bytes),
-            ("motet_split_prefill_seconds", counter, "Time the prefill engine spent on handed-over prompts.",
-             self.prefill_ms / 1000),
-            ("motet_split_save_seconds", counter, "Time spent saving session files.", self.save_ms / 1000),
-            ("motet_split_restore_seconds", counter, "Time spent restoring session files.",
-             self.restore_ms / 1000),
-            ("motet_split_prefill_restarts", counter, "Prefill engines started again.", self.prefill_restarts),
-            ("motet_split_prefill_alive", gauge, "1 while the prefill engine serves.", float(self.prefill_alive)),
-            ("motet_split_decode_alive", gauge, "1 while the decode engine serves.", float(self.decode_alive)),
-            ("motet_split_min_prompt_tokens", gauge, "New tokens from which a prompt is handed over.",
-             self.min_prompt_tokens),
-        )
 
 
 # ---- the engine --------------------------------------------------------------------------
@@ -344,7 +288,7 @@ class SplitEngine(Service, Collected):
 
     @property
     def start_error(self) -> str | None:
-        """Why the decode engine did not start again (for /health); None when it serves."""
+        """Why the decode engine did not start again; None when it serves."""
         return self._decode.start_error if self._decode.engine is None else None
 
     def encode(self, prompt) -> tuple[int, ...]:
@@ -371,6 +315,10 @@ class SplitEngine(Service, Collected):
         """How the decode engine came up (it answers every request; None while it is down)."""
         engine = self._decode.alive()
         return engine.startup() if engine is not None else None
+
+    def health(self) -> Health:
+        return Health.of(self.statistics().closing, self.startup(), start_error=self.start_error,
+                         split=self.split_statistics())
 
     def split_statistics(self) -> SplitStatistics:
         c = self._counts

@@ -26,6 +26,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, NotFound
 
 from ..runtime.errors import EngineError
+from ..runtime.engine_api import EngineAPI
 from . import openai_responses as shape
 from . import static
 from .errors import ApiError, from_engine, invalid
@@ -53,7 +54,7 @@ class Server:
     """One app's state: the engine, the settings, the metrics; `closing` is set when the
     server begins to shut down (new requests get a 503 from then on)."""
 
-    def __init__(self, engine, settings: ServeSettings):
+    def __init__(self, engine: EngineAPI, settings: ServeSettings):
         self.engine = engine
         self.settings = settings
         self.limits = settings.limits()
@@ -187,20 +188,17 @@ class Server:
     async def health(self):
         if self.closing:
             return {"status": "closing", "reason": "the server is shutting down"}, 503
-        if self.engine.statistics().closing:
-            # A RestartingEngine whose child cannot start says why (a model file gone...)
-            failed = getattr(self.engine, "start_error", None)
-            if failed is not None:
-                return {"status": "error", "reason": f"the engine cannot start: {failed}"}, 503
+        health = self.engine.health()
+        if health.status == "error":  # a child that cannot start says why (its model file gone...)
+            return {"status": "error", "reason": f"the engine cannot start: {health.reason}"}, 503
+        if health.status == "closing":
             reason = "the engine is not serving (closing, or starting again)"
             return {"status": "closing", "reason": reason}, 503
         body = {"status": "ok"}
-        startup = self.engine.startup()
-        if startup is not None:  # time to ready, and the executables it took
-            body["startup"] = dataclasses.asdict(startup)
-        split = getattr(self.engine, "split_statistics", None)  # motet serve --split
-        if split is not None:  # a dead prefill engine is no outage: the decode engine reads
-            body["split"] = dataclasses.asdict(split())
+        if health.startup is not None:  # time to ready, and the executables it took
+            body["startup"] = dataclasses.asdict(health.startup)
+        if health.split is not None:  # a dead prefill engine is no outage: the decode engine reads
+            body["split"] = dataclasses.asdict(health.split)
         return body
 
     async def openapi(self):
@@ -248,7 +246,7 @@ def _head_size(scope: dict) -> int:
     return line + sum(len(name) + len(value) + 4 for name, value in scope.get("headers", ()))
 
 
-def create_app(engine, settings: ServeSettings) -> QuartTrio:
+def create_app(engine: EngineAPI, settings: ServeSettings) -> QuartTrio:
     """The app for `engine`; its Server is `app.extensions["motet"]`."""
     server = Server(engine, settings)
     app = QuartTrio("motet", static_folder=None)  # static files: our own route, checked

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import secrets
 import time
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
 import trio
 
 from ..runtime.api import FinishEvent, TokenEvent
 from ..runtime.errors import Cancelled, EngineError
+from ..runtime.engine_api import EngineAPI, Events
 from . import openai_responses as shape
 from .errors import from_engine
 from .openai_schema import Options
@@ -65,7 +67,7 @@ def engine_kwargs(options: Options, default_max_tokens: int) -> dict:
 class Generation:
     """Runs turns on the engine for one app; counts them in its metrics."""
 
-    def __init__(self, engine, metrics, decode_rate, default_max_tokens: int, retry_after_s: int):
+    def __init__(self, engine: EngineAPI, metrics, decode_rate, default_max_tokens: int, retry_after_s: int):
         self.engine = engine
         self.metrics = metrics
         self.decode_rate = decode_rate
@@ -137,17 +139,17 @@ class Generation:
 
     async def open_stream(self, turn: Turn, prompt: str):
         """Submit the request; the SSE body to send, or an ApiError when it is refused."""
-        stream = self.engine.stream(prompt, **self._kwargs(turn))
+        request = AsyncExitStack()  # the stream block, left by the body once the request is over
         try:
-            events = await stream.__aenter__()
+            events = await request.enter_async_context(self.engine.stream(prompt, **self._kwargs(turn)))
         except EngineError as exc:  # refused: an HTTP status, not a finished request
             return self._error(turn, exc)
         except trio.Cancelled:  # the client left while the engine took the request
             self.metrics.requests.labels("cancelled").inc()
             raise
-        return self._frames(turn, stream, events)
+        return self._frames(turn, request, events)
 
-    async def _frames(self, turn: Turn, stream, events):
+    async def _frames(self, turn: Turn, request: AsyncExitStack, events: Events):
         # The body owns the accepted request from here: however it ends (finished, the
         # client gone, the engine closed), leaving the stream block cancels a request still
         # in flight. A body never started (the client left between the headers and the
@@ -184,7 +186,7 @@ class Generation:
         finally:
             if finish is None:  # the client left (or the engine closed) mid-turn
                 self.metrics.requests.labels("cancelled").inc()
-            await stream.__aexit__(None, None, None)
+            await request.aclose()
 
     def _chunk(self, turn: Turn, content: str | dict, events: tuple[TokenEvent, ...] = (),
                sent: int = 0, finish: str | None = None) -> dict:

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..runtime.api import StartupReport, TurnStats
+from ..runtime.engine_api import EngineAPI
 
 TIERS = ("disk", "ram", "device")  # EMAP's 2-bit tier: 0 disk, 1 host RAM, 2 device
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -23,7 +24,7 @@ ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2
 class EngineCollector:
     """The engine's state as gauges, read when Prometheus scrapes."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: EngineAPI):
         self.engine = engine
 
     def describe(self):
@@ -40,9 +41,9 @@ class EngineCollector:
             experts.add_metric([tier], count)
         yield experts
         yield from startup_metrics(self.engine.startup())
-        split = getattr(self.engine, "split_statistics", None)  # motet serve --split
+        split = self.engine.health().split  # motet serve --split
         if split is not None:
-            for name, kind, doc, value in split().metrics():
+            for name, kind, doc, value in split.metrics():
                 family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
                 yield family(name, doc, value=value)
 
@@ -79,7 +80,7 @@ def experts_per_tier(emap: bytes) -> tuple[int, int, int]:
 
 
 class Metrics:
-    def __init__(self, engine):
+    def __init__(self, engine: EngineAPI):
         self.registry = r = CollectorRegistry()
         self.prompt_tokens = Counter("motet_prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter("motet_generation_tokens", "Tokens generated.", registry=r)

@@ -23,6 +23,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from ..runtime.groups import sole
+from ..runtime.engine_api import EngineAPI
 from .app import create_app
 from ..engines.restarting import RestartingEngine
 from .send_timeout import SendTimeout
@@ -48,7 +49,7 @@ def hypercorn_config(settings: ServeSettings) -> Config:
     return config
 
 
-async def serve_app(engine, settings: ServeSettings, *, shutdown_trigger=None,
+async def serve_app(engine: EngineAPI, settings: ServeSettings, *, shutdown_trigger=None,
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve `engine` over HTTP until `shutdown_trigger()` returns (never when None: until
     the caller's scope is cancelled). `task_status.started` gets the bound URLs. The slot

@@ -27,6 +27,7 @@ from quart import request
 
 from ..protocol.session_file import SessionError
 from ..runtime.errors import EngineError
+from ..runtime.engine_api import EngineAPI
 from .errors import ApiError, from_slot_file
 from .openai_schema import InvalidRequest
 
@@ -99,7 +100,7 @@ async def json_body() -> object:
 class SlotRoutes:
     """The slot actions of one app."""
 
-    def __init__(self, engine, settings):
+    def __init__(self, engine: EngineAPI, settings):
         self.engine = engine
         self.folder: Path | None = settings.slot_save_path
         self.retry_after_s = settings.retry_after_s

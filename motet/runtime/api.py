@@ -220,6 +220,81 @@ class StartupReport:
 
 
 @dataclass(frozen=True)
+class Handover:
+    """One handover's figures."""
+
+    tokens: int  # tokens the decode engine restored
+    bytes: int  # the session file's size
+    prefill_ms: float
+    save_ms: float
+    restore_ms: float
+
+
+@dataclass(frozen=True)
+class SplitStatistics:
+    """A snapshot. requests = handovers + fallbacks + short; the *_ms are sums over the
+    handovers (a fallback's partial work is not counted)."""
+
+    requests: int  # requests that reached a decode slot
+    handovers: int  # read by the prefill engine, restored into the decode slot
+    fallbacks: int  # a handover was due but failed: the decode engine read the prompt itself
+    short: int  # the decode engine read the new tokens in place (fewer than min_prompt_tokens)
+    bytes: int  # session file bytes handed over
+    prefill_ms: float
+    save_ms: float
+    restore_ms: float
+    prefill_alive: bool
+    decode_alive: bool
+    prefill_restarts: int  # prefill engines started after the first
+    min_prompt_tokens: int
+    last: Handover | None  # the latest handover's figures
+
+    def metrics(self) -> tuple[tuple[str, str, str, float], ...]:
+        """(name, "counter" or "gauge", help, value) for Prometheus; counters without
+        their `_total`, which the client library adds."""
+        counter, gauge = "counter", "gauge"
+        return (
+            ("motet_split_requests", counter, "Requests served by the split.", self.requests),
+            ("motet_split_handovers", counter, "Prompts read by the prefill engine and handed over.",
+             self.handovers),
+            ("motet_split_fallbacks", counter, "Handovers that failed: the decode engine read the prompt.",
+             self.fallbacks),
+            ("motet_split_short", counter, "Prompts short enough for the decode engine to read in place.",
+             self.short),
+            ("motet_split_handover_bytes", counter, "Session file bytes handed over.", self.bytes),
+            ("motet_split_prefill_seconds", counter, "Time the prefill engine spent on handed-over prompts.",
+             self.prefill_ms / 1000),
+            ("motet_split_save_seconds", counter, "Time spent saving session files.", self.save_ms / 1000),
+            ("motet_split_restore_seconds", counter, "Time spent restoring session files.",
+             self.restore_ms / 1000),
+            ("motet_split_prefill_restarts", counter, "Prefill engines started again.", self.prefill_restarts),
+            ("motet_split_prefill_alive", gauge, "1 while the prefill engine serves.", float(self.prefill_alive)),
+            ("motet_split_decode_alive", gauge, "1 while the decode engine serves.", float(self.decode_alive)),
+            ("motet_split_min_prompt_tokens", gauge, "New tokens from which a prompt is handed over.",
+             self.min_prompt_tokens),
+        )
+
+
+@dataclass(frozen=True)
+class Health:
+    """Whether an engine serves, as /health reports it."""
+
+    status: Literal["ok", "closing", "error"]  # error: it cannot start (reason says why)
+    reason: str | None = None
+    startup: StartupReport | None = None
+    split: SplitStatistics | None = None  # a SplitEngine's handovers and roles
+
+    @classmethod
+    def of(cls, closing: bool, startup: StartupReport | None, *, start_error: str | None = None,
+           split: SplitStatistics | None = None) -> Health:
+        """An engine that is closing is "error" when its start failed (start_error says
+        why), else "closing" (draining, or between two children)."""
+        if closing:
+            return cls("error" if start_error else "closing", start_error, None, split)
+        return cls("ok", None, startup, split)
+
+
+@dataclass(frozen=True)
 class FinishEvent:
     stats: TurnStats
     text_tail: str = ""  # text held back until the end (stop-string prefixes, partial UTF-8)

@@ -1,11 +1,11 @@
-"""What every engine offers on top of its own `stream()` and `render_chat()`: the answer
-collected (`complete`, `chat`), a chat streamed (`stream_chat`), and a prompt read
-without an answer (`read_prompt`, behind each engine's `prefill`). One copy for the
-in-process Engine, MuxEngine and SplitEngine alike."""
+"""What every engine offers on top of its own `stream()`, `render_chat()`, `statistics()`
+and `startup()`: the answer collected (`complete`, `chat`), a chat streamed
+(`stream_chat`), its health, and a prompt read without an answer (`read_prompt`, behind
+each engine's `prefill`). One copy for all four engines."""
 
 from __future__ import annotations
 
-from .api import Completion, TokenEvent, TurnStats
+from .api import Completion, Health, TokenEvent, TurnStats
 from .errors import Cancelled
 
 
@@ -27,6 +27,9 @@ class Collected:
 
     def stream_chat(self, messages: list[dict], **kwargs):
         return self.stream(self.render_chat(messages), **kwargs)
+
+    def health(self) -> Health:
+        return Health.of(self.statistics().closing, self.startup())
 
 
 async def read_prompt(engine, prompt, *, slot: int | None, request_id: int | None) -> TurnStats:

@@ -35,6 +35,7 @@ from ..runtime.api import GenerationRequest
 from ..runtime.addresses import format_address, parse_address
 from ..runtime.errors import BadRequest, ContextExceeded, EmptyPrompt, EngineError
 from ..runtime.groups import sole_error
+from ..runtime.engine_api import InProcessEngineAPI
 from .frame_io import (
     HANDOVER_ERRORS,
     FrameStream,
@@ -135,7 +136,7 @@ def ms_since(started: float) -> int:
 
 
 class Worker:
-    def __init__(self, engine: Engine, settings: WorkerSettings):
+    def __init__(self, engine: InProcessEngineAPI, settings: WorkerSettings):
         self.engine = engine
         self.settings = settings
         self.header: SessionHeader = engine.session_header
