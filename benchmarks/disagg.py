@@ -30,14 +30,14 @@ import time
 
 import jax
 import trio
-
 from engine_throughput import prompt_for
+
 from motet.engines.engine import Engine
-from motet.model import default_model_path, load_model
 from motet.engines.mux_engine import MuxEngine
+from motet.engines.split import open_split_engines
+from motet.model import default_model_path, load_model
 from motet.protocol import wire
 from motet.runtime.api import TokenEvent
-from motet.engines.split import open_split_engines
 from motet.runtime.split_settings import SplitSettings
 
 STREAMS = 8

@@ -25,8 +25,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from compiled_steps import resident_mb
+
 from motet.model import kv_writes, load_model, native
 from motet.model.kv import KVGeometry, init_kv
 

@@ -22,11 +22,11 @@ import time
 
 import jax
 import trio
-
 from engine_throughput import prompt_for
+
 from motet.engines.engine import Engine
-from motet.model import default_model_path, load_model
 from motet.engines.mux_engine import MuxEngine
+from motet.model import default_model_path, load_model
 from motet.runtime.api import TokenEvent
 
 STREAMS = 16

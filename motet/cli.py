@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     servep.add_argument("--cors-origin", action="append", default=[], help="an allowed origin (repeatable)")
     servep.add_argument("--max-body-bytes", type=int, default=1 << 20)
     servep.add_argument("--queue-limit", type=int, default=64, help="requests waiting for a slot (past it: 429)")
-    servep.add_argument("--web-dir", type=Path, default=None, help="the folder served at / (default: the page shipped in the package, motet/web/)")
+    servep.add_argument("--web-dir", type=Path, default=None,
+                        help="the folder served at / (default: the page shipped in the package, motet/web/)")
     servep.add_argument("--engine-cmd", default=None, help='a mux engine to drive, e.g. "motet mux"')
     servep.add_argument("--send-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="close a connection whose client takes no bytes of an answer for this long "
@@ -194,7 +195,6 @@ def cmd_info(args) -> int:
     from .actors.warmup import WarmupPlan
     from .engines.engine import PREFILL_CHUNK
     from .model.kv import KVGeometry, kv_bytes_per_position
-
     from .model.loader import kernel_name
 
     model = open_model(model_settings(args))
@@ -211,8 +211,9 @@ def cmd_info(args) -> int:
     context = min(args.max_context or 4096, model.config.max_context)
     geo = KVGeometry(n_slots=args.kv_slots, max_context=context, chunk=PREFILL_CHUNK)
     per_position = kv_bytes_per_position(model.config, model.kv_dtype)
+    kv_mb = per_position * geo.length * (args.kv_slots + 1) / 1e6
     print(f"KV cache: {model.kv_dtype}, {per_position:,} bytes a position; {args.kv_slots} slots of {context} "
-          f"(and a scratch slot, {geo.length} positions each): {per_position * geo.length * (args.kv_slots + 1) / 1e6:.1f} MB")
+          f"(and a scratch slot, {geo.length} positions each): {kv_mb:.1f} MB")
     print(f"compiled before ready ({args.kv_slots} KV slots, context {context}, prefill chunks of "
           f"{PREFILL_CHUNK}; experts resident):")
     for line in WarmupPlan.of(geo).describe():

@@ -12,8 +12,8 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import GOLDEN
+
 from motet.model import default_model_path
 from motet.model.generate import generate
 

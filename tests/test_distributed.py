@@ -17,8 +17,8 @@ from argparse import Namespace
 
 import pytest
 import trio
-
 from conftest import GOLDEN, REPO
+
 from motet.cli import main
 from motet.engines.engine import Engine
 from motet.protocol import mux

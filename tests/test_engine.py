@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
-
 from conftest import MUX_COMMAND
+
 from motet.actors.policy import common_prefix
 from motet.engines.engine import Engine
 from motet.engines.mux_engine import MuxEngine

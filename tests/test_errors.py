@@ -14,9 +14,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from conftest import COMPILE_CACHE, GOLDEN, REPO
 from gguf import GGMLQuantizationType as Q
 
-from conftest import COMPILE_CACHE, GOLDEN, REPO
 from motet.model import (
     SUPPORTED_ARCHITECTURES,
     ContextLengthError,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import GOLDEN, TINY_GEO
+
 from motet.model import load_model
 from motet.model.expert_pool import DEVICE, DISK, RAM, ExpertPool, Placement
 from motet.model.expert_source import ArrayExpertReader, SourceExpertReader, with_packed_experts

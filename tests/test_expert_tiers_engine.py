@@ -13,8 +13,8 @@ import sys
 import numpy as np
 import pytest
 import trio
-
 from conftest import GOLDEN, REPO
+
 from motet.engines.engine import Engine
 from motet.protocol import mux
 from motet.runtime.config import ExpertSettings

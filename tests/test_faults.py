@@ -35,8 +35,8 @@ from conftest import GOLDEN, REPO
 from test_http import HELLO, TIMEOUT, mux_server, tiny_server, wait_until
 from test_mux_sessions import LLAMA, submit
 
-from motet.model import load_model
 from motet.engines.mux_engine import MuxEngine
+from motet.model import load_model
 from motet.protocol import mux
 from motet.runtime.errors import BadRequest
 

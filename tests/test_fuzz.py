@@ -42,11 +42,11 @@ from hypothesis import strategies as st
 from test_http import TIMEOUT, tiny_server
 from test_session_file import HEADER
 
+from motet.engines.mux_engine import MuxEngine
 from motet.http.openai_schema import ROLES, InvalidRequest, Limits, parse_chat, parse_completion
 from motet.http.settings import ServeSettings
 from motet.model.chat_template import ChatTemplateError
 from motet.model.loader import load_chat
-from motet.engines.mux_engine import MuxEngine
 from motet.protocol import legacy, mux, wire
 from motet.protocol.session_file import SessionError, read_session
 
@@ -467,8 +467,11 @@ SCHEMATHESIS_EXAMPLES = {"POST /v1/chat/completions": 25, "POST /v1/completions"
 def test_schemathesis_against_the_real_server(served):
     import schemathesis
     from schemathesis.checks import not_a_server_error
-    from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
-                                                   status_code_conformance)
+    from schemathesis.specs.openapi.checks import (
+        content_type_conformance,
+        response_schema_conformance,
+        status_code_conformance,
+    )
 
     url, _ = served
     document = httpx.get(url + "/openapi.json", timeout=TIMEOUT)

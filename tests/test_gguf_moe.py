@@ -11,10 +11,10 @@ import gguf
 import jax
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as Q
-
 from conftest import GOLDEN
+from gguf import GGMLQuantizationType as Q
 from gguf_fixtures import mix, permute_rope_rows, simple, write_gguf
+
 from motet.model import load_model
 from motet.model.config import config_from_gguf, config_from_hf
 from motet.model.gguf_file import gguf_metadata, open_gguf, unpermute_rope_rows

@@ -11,8 +11,8 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import GOLDEN, TINY_ARCHS, TINY_GEO
+
 from motet.model import load_model
 from motet.model.forward import prefill
 from motet.model.generate import decode_step, generate, prefill_slot

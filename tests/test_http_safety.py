@@ -16,9 +16,9 @@ import openai
 import pytest
 import trio
 from conftest import GOLDEN, REPO
+from test_http import HELLO, TIMEOUT, in_thread, metric, sync_client, tiny_server, wait_until
 
 from motet.http.settings import ServeSettings
-from test_http import HELLO, TIMEOUT, in_thread, metric, sync_client, tiny_server, wait_until
 
 KEY = "s3cret-key"
 

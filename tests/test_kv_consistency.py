@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import GOLDEN, TINY_GEO
+
 from motet.model.forward import prefill
 from motet.model.generate import decode_step, prefill_slot
 from motet.model.kv import KVGeometry, bucket, init_kv

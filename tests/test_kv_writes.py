@@ -4,7 +4,6 @@ caches, for float32, half and bfloat16 caches, halves rounded with F16C and with
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -13,8 +13,8 @@ import sys
 from functools import cache
 
 import pytest
-
 from conftest import GOLDEN, REPO, TINY_GEO
+
 from motet.actors.expert_policy import ExpertPlan
 from motet.actors.runner import ModelRunner
 from motet.model import load_model

@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import GOLDEN, REPO
+
 from motet.protocol import mux
 
 PROMPT = b"<|im_start|>user\nTell me about the sea.<|im_end|>\n<|im_start|>assistant\n"

@@ -13,10 +13,10 @@ from functools import partial
 import pytest
 import trio
 import trio.testing
-
 from conftest import GOLDEN, MUX_COMMAND
-from motet.model.errors import ModelError
+
 from motet.engines.mux_engine import EngineExited, EngineStartError, MuxEngine
+from motet.model.errors import ModelError
 from motet.protocol import mux
 from motet.runtime.api import EngineStatistics, FinishEvent, Perf
 from motet.runtime.errors import EngineClosed, NotFound, QueueFull

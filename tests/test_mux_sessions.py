@@ -12,14 +12,14 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 import trio.testing
-
 from conftest import GOLDEN, MUX_COMMAND, REPO
+
 from motet.actors.stdio_bridge import safe_name
 from motet.engines.mux_engine import EngineExited, MuxEngine
+from motet.engines.sessions import model_fingerprint, session_header
 from motet.protocol import mux
 from motet.protocol.session_file import SessionError, read_session, write_session
 from motet.runtime.errors import BadRequest, SlotBusy
-from motet.engines.sessions import model_fingerprint, session_header
 
 TIMEOUT = 180  # seconds, per test
 CTX = 256

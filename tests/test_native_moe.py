@@ -6,12 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_quant import random_blocks
 
 from motet.model import native
 from motet.model.gguf_quants import REPACK
 from motet.model.moe import experts_grouped
 from motet.model.quant import stack
-from test_quant import random_blocks
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels were not built")
 

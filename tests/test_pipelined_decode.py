@@ -11,8 +11,8 @@ from functools import partial
 import numpy as np
 import pytest
 import trio
-
 from conftest import TINY_ARCHS, TINY_GEO
+
 from motet.actors.expert_policy import ExpertPlan
 from motet.actors.runner import ModelRunner
 from motet.actors.step_rows import SamplingRow

@@ -3,10 +3,10 @@ agrees with the XLA path on every instruction set this CPU has, and the default 
 computes from its quantized file what it computes from the same values in float32."""
 
 import platform
-from dataclasses import replace
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import gguf
 import jax

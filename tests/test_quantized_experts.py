@@ -15,15 +15,15 @@ from functools import partial
 import jax
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as Q
-
 from conftest import GOLDEN
+from gguf import GGMLQuantizationType as Q
 from gguf_fixtures import _tokenizer, mix, simple, write_gguf, write_tensors
 from kquants import quantize_k
+from test_expert_tiers import MOE_ARCHS, long_prompt, make_pool, resident_run, tiered_run
+
 from motet.model import UnsupportedModelError, load_model, native
 from motet.model.quant import QTensor, dequantize, quantize
 from motet.model.tiered_model import TieredModel
-from test_expert_tiers import MOE_ARCHS, long_prompt, make_pool, resident_run, tiered_run
 
 RTOL = 1e-3  # weight-only paths against float32 on the same values (the bound)
 

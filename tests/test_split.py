@@ -13,13 +13,13 @@ from functools import partial
 import pytest
 import trio
 import trio.testing
-
 from conftest import GOLDEN, MUX_COMMAND
+
 from motet.engines.engine import Engine
-from motet.runtime.errors import BadRequest, Cancelled, QueueFull, SlotBusy
 from motet.engines.split import SplitEngine, open_split_engines
-from motet.runtime.api import SplitStatistics
 from motet.engines.split_slots import SlotTable
+from motet.runtime.api import SplitStatistics
+from motet.runtime.errors import BadRequest, Cancelled, QueueFull, SlotBusy
 from motet.runtime.split_settings import SplitConfigError, SplitSettings
 
 TIMEOUT = 240  # seconds

@@ -17,8 +17,8 @@ from conftest import GOLDEN, REPO, metric
 
 from motet.actors.warmup import WarmupPlan
 from motet.engines.engine import Engine
-from motet.model.kv import KVGeometry
 from motet.engines.mux_engine import MuxEngine
+from motet.model.kv import KVGeometry
 from motet.runtime.config import ExpertSettings
 
 TIMEOUT = 600  # seconds per start: a cold one compiles everything

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import COMPILE_CACHE, GOLDEN, REPO
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")

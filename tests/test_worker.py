@@ -21,13 +21,12 @@ from pathlib import Path
 
 import pytest
 import trio
+from conftest import COMPILE_CACHE, GOLDEN, REPO
 
 from motet.protocol import wire
 from motet.protocol.wire import K_DECODE, K_ERROR, K_FIRST, K_GEN, K_LAYER, K_PREFILL, K_RESULT, Frame, Msg
 from motet.runtime.addresses import format_address, parse_address
 from motet.wire.frame_io import FrameStream, connect, request
-
-from conftest import COMPILE_CACHE, GOLDEN, REPO
 
 TIMEOUT = 120
 START_S = 240  # a worker's start, compiling on a cold cache

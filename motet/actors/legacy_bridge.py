@@ -12,8 +12,8 @@ import trio
 
 from ..protocol import legacy, mux
 from ..runtime.api import FinishEvent, TokenEvent
-from ..runtime.errors import ContextExceeded, EngineError
 from ..runtime.engine_api import EngineAPI
+from ..runtime.errors import ContextExceeded, EngineError
 from .bridge import Intake, rss_gb
 
 log = logging.getLogger(__name__)

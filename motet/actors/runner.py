@@ -13,10 +13,10 @@ from functools import partial
 import jax
 import numpy as np
 
+from ..model.attention import ATTN_BLOCK
 from ..model.compilation import compile_workers, compiling_ahead
 from ..model.expert_pool import DEVICE, ExpertPool, Placement
 from ..model.expert_source import ArrayExpertReader
-from ..model.attention import ATTN_BLOCK
 from ..model.forward import empty_carry, lower_decode, lower_decode_sampled, lower_prefill
 from ..model.generate import dispatch_decode, model_kv_sharding, prefill_slot, read_decode
 from ..model.kv import KVGeometry, batch_bucket, init_kv, read_slot_layer, write_slot_layer
@@ -28,8 +28,7 @@ from ..model.tiered_model import TieredModel
 from ..protocol.mirror import Op, encode
 from ..runtime.api import ExpertTiers
 from .expert_policy import ExpertPlan
-from .step_rows import (FILLER_ROW, WARM_ROW, DecodeInFlight, Sampled, SamplingRow, sampled_rows,
-                        sampling_arrays)
+from .step_rows import FILLER_ROW, WARM_ROW, DecodeInFlight, Sampled, SamplingRow, sampled_rows, sampling_arrays
 from .warmup import DECODE, EXPERT_MOVE, PREFILL, SLOT_WIDTH, WarmShape, WarmupPlan
 
 # Loads one placement may start per layer between two steps: re-pinning catches up over

@@ -357,7 +357,8 @@ class Scheduler:
                     await self.slots[slot].inbox.send.send(Probe(probe))
                     reply.send_nowait((await answer.receive()).history)
             case ReadLayers(slot, layers, tokens, reply) if slot in self.held:
-                reply.send_nowait(await self._device_io(self.runner.read_layers, slot, layers.start, len(layers), tokens))
+                read = self.runner.read_layers
+                reply.send_nowait(await self._device_io(read, slot, layers.start, len(layers), tokens))
             case WriteLayers(slot, first, pairs, reply) if slot in self.held:
                 reply.send_nowait(await self._device_io(self.runner.write_layers, slot, first, list(pairs)))
             case ReadLayers(slot, reply=reply) | WriteLayers(slot, reply=reply):

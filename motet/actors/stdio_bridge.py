@@ -21,9 +21,9 @@ import trio
 from ..protocol import mux
 from ..protocol.session_file import SessionError
 from ..runtime.api import FinishEvent, StepRouting, TokenEvent
+from ..runtime.engine_api import Events, InProcessEngineAPI
 from ..runtime.errors import BadRequest, ContextExceeded, DuplicateId, EngineError, NotFound, SlotBusy
 from ..runtime.experts import HITS_EVERY, ExpertMap, device_moves
-from ..runtime.engine_api import Events, InProcessEngineAPI
 from .bridge import Intake, cpu_name, rss_gb
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import trio
 
-from . import sessions
 from ..actors.expert_cache import ExpertCache, HeatFile, SaveHeat
 from ..actors.expert_policy import ExpertPlan, ExpertPolicy, PolicySettings, default_heat_path, plan_experts
 from ..actors.kv_slot import KVSlot
@@ -48,6 +47,7 @@ from ..runtime.config import DEFAULT_COMPILE_CACHE, ExpertSettings
 from ..runtime.errors import BadRequest, EngineClosed, EngineError, NotFound
 from ..runtime.experts import HITS_EVERY, ExpertMap, turn_entropy
 from ..runtime.service import Service
+from . import sessions
 
 log = logging.getLogger(__name__)
 

@@ -38,15 +38,13 @@ from pathlib import Path
 import trio
 
 from ..actors.policy import SlotView, choose_slot
-from .mux_stream import EngineExited, EngineStartError, MuxStream, engine_error
 from ..protocol import mux
 from ..protocol.session_file import SessionError
-from ..runtime.api import (EngineStatistics, ExpertState, GenerationRequest, Perf, SlotFile, StartupReport,
-                          TurnStats)
+from ..runtime.api import EngineStatistics, ExpertState, GenerationRequest, Perf, SlotFile, StartupReport, TurnStats
 from ..runtime.collect import Collected, read_prompt
-from ..runtime.errors import (BadRequest, DuplicateId, EmptyPrompt, EngineClosed, EngineError, NotFound,
-                             QueueFull)
+from ..runtime.errors import BadRequest, DuplicateId, EmptyPrompt, EngineClosed, EngineError, NotFound, QueueFull
 from ..runtime.service import Service
+from .mux_stream import EngineExited, EngineStartError, MuxStream, engine_error
 
 log = logging.getLogger(__name__)
 READ_SIZE = 65536

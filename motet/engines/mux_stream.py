@@ -14,10 +14,8 @@ from ..actors.policy import StopMatcher
 from ..model.errors import ModelError
 from ..protocol import mux
 from ..runtime.actor import open_stream
-from ..runtime.api import (FinishEvent, GenerationRequest, Perf, TokenEvent, TopCandidate, TurnReport,
-                          TurnStats)
-from ..runtime.errors import (BadRequest, ContextExceeded, DuplicateId, EmptyPrompt, EngineClosed,
-                             EngineError, SlotBusy)
+from ..runtime.api import FinishEvent, GenerationRequest, Perf, TokenEvent, TopCandidate, TurnReport, TurnStats
+from ..runtime.errors import BadRequest, ContextExceeded, DuplicateId, EmptyPrompt, EngineClosed, EngineError, SlotBusy
 
 if TYPE_CHECKING:
     from .mux_engine import MuxEngine

@@ -120,7 +120,7 @@ async def restore_slot(ask: Ask, header: SessionHeader, slot: int, path: Path) -
     async with held_slot(ask, slot) as hold:
         await hold.write_many(0, arrays)
         hold.new_history = tuple(session.tokens)
-    size = path.stat().st_size
+    size = (await trio.Path(path).stat()).st_size
     return SlotFile(slot, len(session.tokens), size, (time.perf_counter() - started) * 1000)
 
 

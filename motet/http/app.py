@@ -25,15 +25,15 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, NotFound
 
-from ..runtime.errors import EngineError
 from ..runtime.engine_api import EngineAPI
+from ..runtime.errors import EngineError
 from . import openai_responses as shape
 from . import static
 from .errors import ApiError, from_engine, invalid
 from .generate import Generation, Turn
 from .metrics import Metrics, RecentRate
-from .openapi import openapi_document
 from .openai_schema import InvalidRequest, parse_chat, parse_completion
+from .openapi import openapi_document
 from .settings import ServeSettings
 from .slots import SlotRoutes
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import trio
 
 from ..runtime.api import FinishEvent, TokenEvent
-from ..runtime.errors import Cancelled, EngineError
 from ..runtime.engine_api import EngineAPI, Events
+from ..runtime.errors import Cancelled, EngineError
 from . import openai_responses as shape
 from .errors import from_engine
 from .openai_schema import Options

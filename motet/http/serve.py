@@ -22,10 +22,10 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
-from ..runtime.groups import sole
-from ..runtime.engine_api import EngineAPI
-from .app import create_app
 from ..engines.restarting import RestartingEngine
+from ..runtime.engine_api import EngineAPI
+from ..runtime.groups import sole
+from .app import create_app
 from .send_timeout import SendTimeout
 from .settings import ServeSettings
 

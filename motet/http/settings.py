@@ -7,11 +7,10 @@ import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..runtime.split_settings import SplitSettings
-
 import motet
 
 from ..runtime.config import ExpertSettings
+from ..runtime.split_settings import SplitSettings
 from .openai_schema import MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOPS, Limits
 
 DEFAULT_WEB_DIR = Path(motet.__file__).resolve().parent / "web"

@@ -26,8 +26,8 @@ import trio
 from quart import request
 
 from ..protocol.session_file import SessionError
-from ..runtime.errors import EngineError
 from ..runtime.engine_api import EngineAPI
+from ..runtime.errors import EngineError
 from .errors import ApiError, from_slot_file
 from .openai_schema import InvalidRequest
 

@@ -11,8 +11,8 @@ import numpy as np
 
 from .errors import ContextLengthError
 from .forward import decode, decode_sampled, prefill
-from .kv_writes import write_chunk, write_rows
 from .kv import KVGeometry, batch_bucket, bucket, init_kv
+from .kv_writes import write_chunk, write_rows
 from .model import Model
 from .sampling import SAMPLED_WIDTH, request_key, sample, unpack_sampled
 from .sharding import kv_sharding, mesh_of

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import ModelConfig
 from .attention import ATTN_BLOCK
+from .config import ModelConfig
 
 MIN_BUCKET = 16
 

@@ -22,8 +22,8 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from .attention import attend_chunk, attend_rows
 from .forward import embed, lm_head, qkv

@@ -28,18 +28,26 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .errors import ContextLengthError
 from .expert_pool import ExpertPool
 from .forward import decode, prefill
-from .kv_writes import write_chunk, write_rows
 from .generate import padded_rows
 from .kv import KVGeometry, bucket
+from .kv_writes import write_chunk, write_rows
 from .model import Model
 from .sharding import TP, mesh_of
 from .tiered import (
-    embed_tokens, head, head_row, layer_chunk, layer_rows, moe_over_pool, shared_weights, top_weights,
+    embed_tokens,
+    head,
+    head_row,
+    layer_chunk,
+    layer_rows,
+    moe_over_pool,
+    shared_weights,
+    top_weights,
 )
 
 

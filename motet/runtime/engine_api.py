@@ -15,8 +15,17 @@ from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from .api import (Completion, EngineStatistics, ExpertState, ExpertTiers, FinishEvent, Health, SlotFile, StartupReport,
-                  TokenEvent)
+from .api import (
+    Completion,
+    EngineStatistics,
+    ExpertState,
+    ExpertTiers,
+    FinishEvent,
+    Health,
+    SlotFile,
+    StartupReport,
+    TokenEvent,
+)
 
 
 class Events(Protocol):

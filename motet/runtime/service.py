@@ -42,7 +42,7 @@ class Service:
         if exc is None:
             try:
                 await self._close()
-            except BaseException as err:  # e.g. cancelled while draining: cancel the rest
+            except BaseException as err:  # noqa: BLE001 - cancelled while draining, say: cancel the rest
                 closing_error = exc = err
                 exc_type, tb = type(err), err.__traceback__
         try:

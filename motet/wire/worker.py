@@ -31,11 +31,11 @@ from ..model.detokenizer import IncrementalDetokenizer
 from ..protocol import wire
 from ..protocol.session_file import SessionHeader
 from ..protocol.wire import K_DECODE, K_ERROR, K_FIRST, K_GEN, K_PREFILL, K_RESULT, Frame, Msg, WireError
-from ..runtime.api import GenerationRequest
 from ..runtime.addresses import format_address, parse_address
+from ..runtime.api import GenerationRequest
+from ..runtime.engine_api import InProcessEngineAPI
 from ..runtime.errors import BadRequest, ContextExceeded, EmptyPrompt, EngineError
 from ..runtime.groups import sole_error
-from ..runtime.engine_api import InProcessEngineAPI
 from .frame_io import (
     HANDOVER_ERRORS,
     FrameStream,
@@ -208,7 +208,8 @@ class Worker:
                 sending = time.perf_counter()
                 async with self.engine.hold_slot(slot) as hold:
                     if hold.history != prompt:
-                        raise EngineError(f"slot {slot} holds {len(hold.history)} tokens, not the prompt's {len(prompt)}")
+                        held = len(hold.history)
+                        raise EngineError(f"slot {slot} holds {held} tokens, not the prompt's {len(prompt)}")
                     fields["bytes"] = await send_layers(frames, hold, len(prompt), self.header.layers)
                 fields["send_ms"] = ms_since(sending)
         await frames.send_msg(K_FIRST, Msg(fields))

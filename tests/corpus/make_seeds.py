@@ -6,10 +6,12 @@ import struct
 import sys
 import tempfile
 from pathlib import Path
+
 sys.path.insert(0, "tests")
-from motet.protocol import mux, legacy, wire
+from test_session_file import HEADER, LAYERS, TOKENS
+
+from motet.protocol import legacy, mux, wire
 from motet.protocol.session_file import write_session
-from test_session_file import HEADER, TOKENS, LAYERS
 
 root = Path("tests/corpus")
 def put(parser, name, data):
