@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 
-.PHONY: run chat test bench install
+.PHONY: run chat test test-fast check bench install
 
 install: $(VENV)/.installed
 
@@ -27,6 +27,16 @@ chat: install
 
 test: install
 	$(BIN)/pytest -q
+
+# What CI runs before the tests: lint, and the layers' import contracts (docs/architecture.md).
+check: install
+	$(BIN)/ruff check motet tests benchmarks tools
+	$(BIN)/lint-imports
+
+# The tests that need no browser, start no motet child process and take no long run:
+# a few minutes, for the loop while you work. `make test` stays the whole suite.
+test-fast: install
+	$(BIN)/pytest -q -m "not slow and not browser and not subprocess"
 
 bench: install
 	$(BIN)/python benchmarks/model_step.py

@@ -18,6 +18,7 @@ _FACE = {
     "MuxEngine": "motet.engines.mux_engine",
     "SplitEngine": "motet.engines.split",
     "RestartingEngine": "motet.engines.restarting",
+    "EngineAPI": "motet.runtime.engine_api",
     "load_model": "motet.model",
     "EngineError": "motet.runtime.errors",
     "BadRequest": "motet.runtime.errors",

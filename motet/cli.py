@@ -12,8 +12,8 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .actors.device_group import DistributedSettings, join_group
 from .runtime.config import DEFAULT_COMPILE_CACHE, EXPERT_MODES, ExpertSettings, ModelSettings, SamplingSettings
-from .runtime.distributed import DistributedSettings, join_group
 
 log = logging.getLogger("motet")
 

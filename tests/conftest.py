@@ -4,6 +4,7 @@ reruns skip most compiles."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -95,3 +96,30 @@ def tiny_model():
         return loaded[arch]
 
     return get
+
+
+# ---- markers: make test-fast runs the rest ---------------------------------------------
+
+SLOW_TESTS = frozenset(
+    line.strip() for line in (Path(__file__).parent / "slow_tests.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#"))
+# What a test's own code does to start a motet child (the fixtures that start one are in
+# tests that are slow anyway).
+STARTS_A_CHILD = ("MUX_COMMAND", "run_process", "open_process", "subprocess.", "sys.executable")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = Path(str(item.fspath))
+        if path.name == "test_web_page.py":
+            item.add_marker(pytest.mark.browser)
+        if f"{path.name}::{item.name}" in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+        function = getattr(item, "function", None)
+        if function is not None:
+            try:
+                source = inspect.getsource(function)
+            except (OSError, TypeError):
+                source = ""
+            if any(sign in source for sign in STARTS_A_CHILD):
+                item.add_marker(pytest.mark.subprocess)

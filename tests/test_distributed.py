@@ -1,4 +1,4 @@
-"""Several processes as one engine (runtime/distributed.py, actors/follower.py): the
+"""Several processes as one engine (actors/device_group.py, actors/follower.py): the
 settings in-process, and two real `motet mux` processes on 127.0.0.1 joined by
 jax.distributed (gloo): process 0 answers through its front, process 1 follows, both stop
 cleanly. Two layouts: the tiny qwen3_moe ep=2,tp=2 over 2 virtual CPU devices per process
@@ -19,11 +19,11 @@ import pytest
 import trio
 from conftest import GOLDEN, REPO
 
+from motet.actors.device_group import DistributedSettings
 from motet.cli import main
 from motet.engines.engine import Engine
 from motet.protocol import mux
 from motet.runtime.addresses import format_address, parse_address
-from motet.runtime.distributed import DistributedSettings
 
 PROMPT = b"<|im_start|>user\nTell me about the sea.<|im_end|>\n<|im_start|>assistant\n"
 NEXT = b"<|im_end|>\n<|im_start|>user\nAnd the mountains?<|im_end|>\n<|im_start|>assistant\n"

@@ -31,7 +31,7 @@ def test_the_face_names_each_engine_and_error_where_it_is_defined():
         Engine, SplitEngine, load_model, EngineError)
     for name in motet.__all__:
         assert getattr(motet, name) is not None, name
-    for name in ("MuxEngine", "RestartingEngine", "BadRequest", "SessionError", "ModelFileError"):
+    for name in ("MuxEngine", "RestartingEngine", "EngineAPI", "BadRequest", "SessionError", "ModelFileError"):
         assert isinstance(getattr(motet, name), type), name
     with pytest.raises(AttributeError, match="no attribute 'Engin'"):
         motet.Engin  # noqa: B018 - a typo is an AttributeError, not an import of something else

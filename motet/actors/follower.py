@@ -1,4 +1,4 @@
-"""A follower: a process > 0 of a group (runtime/distributed.py). It runs no front and no
+"""A follower: a process > 0 of a group (actors/device_group.py). It runs no front and no
 actors; it builds the same ModelRunner as process 0 over the same global mesh and repeats
 every device call process 0's runner makes, in the same order, until STOP.
 

@@ -60,7 +60,7 @@ class ModelRunner:
         expert) the tiered pool starts from (hottest first onto the device); mesh: shard
         the weights and the KV over several devices (model/sharding.py) — weights loaded
         onto that mesh already stay where they are. mirror: on process 0 of a group
-        (runtime/distributed.py), where each device call goes as a frame first (START
+        (actors/device_group.py), where each device call goes as a frame first (START
         now, with the geometry), for the other processes to repeat (actors/follower.py)."""
         cfg = model.config
         tiered = plan is not None and plan.mode == "tiered"

@@ -27,6 +27,7 @@ from ..actors.runner import ModelRunner
 from ..actors.scheduler import Cancel, Drain, Scheduler, StopNow, Submit, Subscribe
 from ..actors.warmup import StartupClock, WarmupPlan
 from ..model.compilation import current_compile_cache
+from ..model.detokenizer import IncrementalDetokenizer
 from ..model.kv import KV_DTYPE_CHOICES, KVGeometry
 from ..model.model import Model
 from ..model.sharding import MeshSpec
@@ -82,7 +83,7 @@ class Engine(Service, Collected):
         a budget says otherwise; see ExpertSettings). mesh: shard the model over several
         devices of this process, e.g. "ep=2,tp=2" (docs/scaling.md); experts stay resident.
         mirror: on process 0 of a group, where the runner sends its device calls for the
-        other processes (runtime/distributed.py Group.send; docs/scaling.md).
+        other processes (actors/device_group.py Group.send; docs/scaling.md).
         compile_cache: JAX's persistent compilation cache — "auto": the folder this
         program gave JAX, else ~/.cache/motet/jax; a folder; None: none set here.
         warm_up: compile and run every shape before the engine is ready (the default;
@@ -275,6 +276,11 @@ class Engine(Service, Collected):
     @property
     def tokenizer(self):
         return self.model.tokenizer
+
+    def decode(self, ids) -> str:
+        """The text a stream gives for `ids` (the same detokenizer, token by token)."""
+        detok = IncrementalDetokenizer(self.model.tokenizer)
+        return "".join(detok.push(t) for t in ids) + detok.flush()
 
     def encode(self, prompt: str | list[int] | tuple[int, ...]) -> tuple[int, ...]:
         if not isinstance(prompt, str):

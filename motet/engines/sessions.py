@@ -10,7 +10,6 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import jax
 import numpy as np
 import trio
 
@@ -18,7 +17,7 @@ from .. import __version__
 from ..actors.slot_io import FreeSlot, HoldSlot, ReadLayers, WriteLayers
 from ..model.kv import KV_LAYOUT
 from ..model.model import Model
-from ..protocol.session_file import Session, SessionError, SessionHeader, read_session, write_session
+from ..protocol.session_file import Session, SessionHeader, layer_arrays, read_session, write_session
 from ..runtime.api import SlotFile
 
 Ask = Callable[[Callable], Awaitable]  # Engine._ask: send a message with a reply channel, await the answer
@@ -42,7 +41,7 @@ def session_header(model: Model, max_context: int) -> SessionHeader:
         dtype=model.kv_dtype, layers=cfg.n_layers,
         kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, k_layout=KV_LAYOUT, v_layout=KV_LAYOUT,
         max_context=max_context, rope_theta=cfg.rope_theta, rope_scaling="",
-        settings={"backend": jax.default_backend(), "weights": model.weight_format},
+        settings={"backend": model.backend, "weights": model.weight_format},
     )
 
 
@@ -98,17 +97,6 @@ async def save_slot(ask: Ask, header: SessionHeader, slot: int, path: Path) -> S
     layers = ((k.tobytes(), v.tobytes()) for k, v in pairs)
     size = await trio.to_thread.run_sync(write_session, path, header, tokens, layers)
     return SlotFile(slot, len(tokens), size, (time.perf_counter() - started) * 1000)
-
-
-def layer_arrays(header: SessionHeader, tokens: int, k: bytes, v: bytes) -> tuple[np.ndarray, np.ndarray]:
-    """A layer's bytes as host arrays; SessionError when their size does not fit."""
-    dtype = np.dtype(jax.numpy.dtype(header.dtype))  # numpy alone does not know bfloat16
-    shape = (tokens, header.kv_heads, header.head_dim)
-    want = int(np.prod(shape)) * dtype.itemsize
-    for name, blob in (("K", k), ("V", v)):
-        if len(blob) != want:
-            raise SessionError(f"a layer's {name} holds {len(blob)} bytes; {tokens} tokens need {want}")
-    return np.frombuffer(k, dtype).reshape(shape), np.frombuffer(v, dtype).reshape(shape)
 
 
 async def restore_slot(ask: Ask, header: SessionHeader, slot: int, path: Path) -> SlotFile:

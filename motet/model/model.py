@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -40,6 +41,12 @@ class Model:
         """"quantized" when projections stay as the file quantized them, else the dtype:
         KV computed one way is not the KV of the other (sessions, process groups)."""
         return "quantized" if is_quantized(self.weights) else self.dtype
+
+    @property
+    def backend(self) -> str:
+        """The platform its arrays live on ("cpu", "gpu"): KV computed on one is not
+        the other's (session files say which)."""
+        return jax.default_backend()
 
     @property
     def name(self) -> str:

@@ -3,7 +3,7 @@ a multi-process group to repeat (docs/scaling.md, "Several processes or hosts").
 
 Sans-IO: `encode(op, args, records)` → one frame; `decode(frame, records)` → (op, args);
 `split(frame)` cuts a frame into parts small enough for one key of the coordinator's
-store and `join` puts them back. The transport (runtime/distributed.py) moves the bytes.
+store and `join` puts them back. The transport (actors/device_group.py) moves the bytes.
 
 A frame is  VERSION u8 | op u8 | the args as one list value. A value is a tag byte, then:
 

@@ -18,6 +18,9 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, fields
 from typing import BinaryIO
 
+import ml_dtypes  # noqa: F401 - gives numpy the bfloat16 dtype's name
+import numpy as np
+
 from .wire import layer_checksum
 
 MAGIC = b"motet session\n"  # readable with `head -1`
@@ -144,6 +147,17 @@ def _fsync_dir(directory: str) -> None:
 
 
 # ---- reading -------------------------------------------------------------------------
+
+
+def layer_arrays(header: SessionHeader, tokens: int, k: bytes, v: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """A layer's bytes as host arrays; SessionError when their size does not fit."""
+    dtype = np.dtype(header.dtype)  # bfloat16 too: ml_dtypes gives numpy its name
+    shape = (tokens, header.kv_heads, header.head_dim)
+    want = int(np.prod(shape)) * dtype.itemsize
+    for name, blob in (("K", k), ("V", v)):
+        if len(blob) != want:
+            raise SessionError(f"a layer's {name} holds {len(blob)} bytes; {tokens} tokens need {want}")
+    return np.frombuffer(k, dtype).reshape(shape), np.frombuffer(v, dtype).reshape(shape)
 
 
 class SessionReader:

@@ -87,7 +87,7 @@ class EngineAPI(Protocol):
 @runtime_checkable
 class InProcessEngineAPI(EngineAPI, Protocol):
     """An engine whose model and KV live in this process (Engine): what the stdio bridge
-    (`motet mux`) and the TCP worker need beyond EngineAPI. The model, tokenizer and
+    (`motet mux`) and the TCP worker need beyond EngineAPI. The model and the
     session header are the model layer's and the session codec's types, named loosely
     here so that this layer imports neither."""
 
@@ -96,8 +96,9 @@ class InProcessEngineAPI(EngineAPI, Protocol):
     @property
     def model(self) -> Any: ...
 
-    @property
-    def tokenizer(self) -> Any: ...
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text a stream gives for these token ids."""
+        ...
 
     @property
     def session_header(self) -> Any:

@@ -19,9 +19,8 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from ..engines import sessions
 from ..protocol import wire
-from ..protocol.session_file import SessionError, SessionHeader
+from ..protocol.session_file import SessionError, SessionHeader, layer_arrays
 from ..protocol.wire import K_ERROR, K_FIRST, K_LAYER, Frame, Msg, WireError
 from ..runtime.addresses import parse_address
 from ..runtime.groups import sole_error
@@ -217,7 +216,7 @@ class Handover:
                                  f"layer {self.layers_in} of {self.tokens} was due")
         data = memoryview(layer.data)
         half = len(data) // 2
-        return sessions.layer_arrays(self.header, self.tokens, data[:half], data[half:])
+        return layer_arrays(self.header, self.tokens, data[:half], data[half:])
 
     def end(self, frame: Frame) -> None:
         """Take K_FIRST: the facts checked, then the first token (or the turn's end)."""

@@ -27,7 +27,6 @@ from pathlib import Path
 import trio
 
 from ..engines.engine import Engine
-from ..model.detokenizer import IncrementalDetokenizer
 from ..protocol import wire
 from ..protocol.session_file import SessionHeader
 from ..protocol.wire import K_DECODE, K_ERROR, K_FIRST, K_GEN, K_PREFILL, K_RESULT, Frame, Msg, WireError
@@ -123,12 +122,6 @@ class SlotPool:
             yield slot
         finally:
             self._put.send_nowait(slot)
-
-
-def detokenize(tokenizer, ids) -> str:
-    """The text the engine's stream gives for `ids` (the same detokenizer, token by token)."""
-    detok = IncrementalDetokenizer(tokenizer)
-    return "".join(detok.push(t) for t in ids) + detok.flush()
 
 
 def ms_since(started: float) -> int:
@@ -270,7 +263,7 @@ class Worker:
                 ids, finish, reused = ids + done.token_ids, done.stats.finish_reason, done.stats.reused_tokens
         fields = {"tokens": len(ids), "finish": finish, "reused": reused, "fallback": 0,
                   "prefill_ms": handover.prefill_ms, "transfer_ms": handover.transfer_ms, "bytes": handover.bytes}
-        return detokenize(self.engine.tokenizer, ids), fields
+        return self.engine.decode(ids), fields
 
 
 def error_msg(exc: Exception) -> Msg:

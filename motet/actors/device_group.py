@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..protocol.mirror import Op, encode, join, parts_in, split
-from .addresses import parse_address
+from ..runtime.addresses import parse_address
 
 log = logging.getLogger(__name__)
 
