@@ -30,6 +30,7 @@ _FACE = {
     "NotFound": "motet.runtime.errors",
     "Cancelled": "motet.runtime.errors",
     "EngineClosed": "motet.runtime.errors",
+    "EngineUnavailable": "motet.runtime.errors",
     "ModelError": "motet.model.errors",
     "ModelFileError": "motet.model.errors",
     "UnsupportedModelError": "motet.model.errors",

@@ -18,20 +18,10 @@ import trio
 
 from ..runtime.api import EngineStatistics, ExpertState, Health
 from ..runtime.collect import Collected
-from ..runtime.errors import EngineClosed
+from ..runtime.errors import EngineClosed, EngineUnavailable
 
 log = logging.getLogger(__name__)
 RESTART_DELAY_S = 1.0  # between a child's death and the next start, so a crash loop idles
-
-
-class EngineUnavailable(EngineClosed):
-    """No child is serving now: one died, or cannot start; the next may."""
-
-    code = "ENGINE_UNAVAILABLE"
-
-    def __init__(self, start_error: str | None):
-        reason = f": it did not start again ({start_error})" if start_error else ""
-        Exception.__init__(self, "the mux engine is starting again" + reason)
 
 
 class RestartingEngine(Collected):

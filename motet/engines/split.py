@@ -42,7 +42,7 @@ import trio
 
 from ..runtime.api import EngineStatistics, ExpertState, Handover, Health, SplitStatistics, TokenEvent
 from ..runtime.collect import Collected
-from ..runtime.errors import Cancelled, DuplicateId, EngineClosed, NotFound
+from ..runtime.errors import Cancelled, DuplicateId, EngineClosed, EngineUnavailable, NotFound
 from ..runtime.service import Service
 from ..runtime.split_settings import RoleArgs, SplitSettings
 from .split_slots import SlotTable
@@ -58,14 +58,11 @@ DECODE_RESTART_EVERY_S = 1.0  # the decode engine serves everything: again at on
 # ---- the engine --------------------------------------------------------------------------
 
 
-class SplitUnavailable(EngineClosed):
+class SplitUnavailable(EngineUnavailable):
     """The decode engine is starting again: the split serves nothing meanwhile."""
 
-    code = "ENGINE_UNAVAILABLE"
-
     def __init__(self, start_error: str | None):
-        reason = f": it did not start again ({start_error})" if start_error else ""
-        Exception.__init__(self, "the split's decode engine is starting again" + reason)
+        super().__init__(start_error, "the split's decode engine")
 
 
 class HandoverFailed(Exception):

@@ -73,3 +73,13 @@ class EngineClosed(EngineError):
 
     def __init__(self):
         super().__init__("the engine is shutting down")
+
+
+class EngineUnavailable(EngineClosed):
+    """No engine serves now: one died, or cannot start; the next may (a 503)."""
+
+    code = "ENGINE_UNAVAILABLE"
+
+    def __init__(self, start_error: str | None, what: str = "the mux engine"):
+        reason = f": it did not start again ({start_error})" if start_error else ""
+        Exception.__init__(self, f"{what} is starting again" + reason)
