@@ -7,7 +7,7 @@ pinned: the `regression_*` files each crashed a parser before its fix), and on
 hypothesis's inputs: arbitrary bytes, and the seeds mutated (bytes flipped, inserted,
 deleted, spliced, cut). Runs are bounded (`max_examples` modest, no deadline).
 
-    mux_request, mux_response, legacy   motet/protocol/mux.py, legacy.py (and what the
+    mux_request, mux_response, legacy   motet/protocol/mux/, legacy.py (and what the
                                         MuxEngine does with a child's telemetry lines)
     wire_frames, wire_msg, wire_layer   motet/protocol/wire.py
     session_file                        motet/protocol/session_file.py
