@@ -30,8 +30,9 @@ import pytest
 import trio
 from conftest import COMPILE_CACHE, GOLDEN, MUX_COMMAND, REPO, metric
 
+from motet.cli.compose import open_engine
 from motet.engines.engine import Engine
-from motet.http.serve import open_engine, serve_app
+from motet.http.serve import serve_app
 from motet.http.settings import ServeSettings
 from motet.runtime.config import ExpertSettings
 

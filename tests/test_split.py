@@ -380,7 +380,8 @@ async def test_serve_split_answers_over_http_and_reports_handovers(tiny_model):
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    from motet.http.serve import open_engine, serve_app
+    from motet.cli.compose import open_engine
+    from motet.http.serve import serve_app
     from motet.http.settings import ServeSettings
 
     settings = ServeSettings(port=0, model_path=LLAMA, engine_cmd=shlex.join(MUX_COMMAND),

@@ -3,7 +3,8 @@
     serve_app(engine, settings)  serves until its shutdown trigger returns or its scope is
                                  cancelled; started with `nursery.start`, it reports the
                                  URLs it bound (port 0 picks a free one)
-    run(settings, model)         the command: open the engine, serve until SIGINT/SIGTERM
+    banner(url, model, ...)      what the command prints once it listens (motet/cli/compose.py
+                                 opens the engine and runs the app)
 
 Shutdown: the first SIGINT or SIGTERM stops accepting connections, answers new requests
 503, and gives streams in flight `shutdown_grace_s` to finish; then the engine drains.
@@ -14,17 +15,12 @@ from __future__ import annotations
 
 import logging
 import signal
-import sys
-from contextlib import asynccontextmanager
-from functools import partial
 
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
-from ..engines.restarting import RestartingEngine
 from ..runtime.engine_api import EngineAPI
-from ..runtime.groups import sole
 from .app import create_app
 from .send_timeout import SendTimeout
 from .settings import ServeSettings
@@ -76,48 +72,6 @@ async def wait_for_signal() -> None:
             return
 
 
-@asynccontextmanager
-async def open_engine(settings: ServeSettings, model, mirror=None):
-    """The in-process Engine around `model` (`mirror`: process 0 of a group, Engine's),
-    or `engine_cmd` driven through a MuxEngine
-    that is started again whenever the child exits, or with `split` a SplitEngine over two
-    of them (`engine_cmd`, default `motet mux`)."""
-    if settings.split is not None:
-        from ..engines.split import open_split_engines
-
-        async with open_split_engines(settings.split, settings.model_path, kv_slots=settings.kv_slots,
-                                      max_context=settings.max_context, command=settings.engine_cmd,
-                                      queue_limit=settings.queue_limit) as engine:
-            yield engine
-        return
-    if settings.engine_cmd is None:
-        from ..engines.engine import Engine
-
-        async with Engine(model, kv_slots=settings.kv_slots, max_context=settings.max_context,
-                          queue_limit=settings.queue_limit, experts=settings.experts,
-                          mirror=mirror, compile_cache=settings.compile_cache,
-                          warm_up=settings.warm_up) as engine:
-            yield engine
-        return
-    from ..engines.mux_engine import MuxEngine
-
-    env = {"CTX": str(settings.max_context)}
-    if settings.model_path is not None:
-        env["SNAP"] = str(settings.model_path)
-    mux = partial(MuxEngine, settings.engine_cmd, env=env, kv_slots=settings.kv_slots,
-                  chat_model=settings.model_path, queue_limit=settings.queue_limit)
-    engine = RestartingEngine(mux, kv_slots=settings.kv_slots)
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(engine.run)
-            try:
-                yield engine
-            finally:
-                engine.close()  # the child drains and exits; run() returns
-    except BaseExceptionGroup as group:  # one error (a child that cannot start): itself
-        raise sole(group) from None
-
-
 def banner(url: str, model: str, with_key: bool) -> str:
     """What `motet serve` prints once it listens: where, and how to call it."""
     auth = " -H \"Authorization: Bearer $MOTET_API_KEY\"" if with_key else ""
@@ -131,27 +85,3 @@ def banner(url: str, model: str, with_key: bool) -> str:
         f"print(c.chat.completions.create(model='{model}', "
         f"messages=[{{'role': 'user', 'content': 'Hello!'}}]).choices[0].message.content)\"\n"
     )
-
-
-def run(settings: ServeSettings, model=None, mirror=None) -> int:
-    """`motet serve`: `model` is a loaded Model (None with `engine_cmd`); `mirror`: on
-    process 0 of a group, where the engine's runner sends its device calls."""
-
-    async def main():
-        async with open_engine(settings, model, mirror) as engine:
-            async with trio.open_nursery() as nursery:
-                urls = await nursery.start(partial(serve_app, engine, settings,
-                                                   shutdown_trigger=wait_for_signal))
-                for url in urls:
-                    sys.stderr.write(banner(url, engine.name, settings.api_key is not None))
-                sys.stderr.flush()
-
-    try:
-        try:
-            trio.run(main)
-        except BaseExceptionGroup as group:  # one error (Ctrl+C, a taken port): itself
-            raise sole(group) from None
-    except OSError as exc:  # the port is taken, the address is not ours, no such command
-        sys.stderr.write(f"motet: error: {exc}\n")
-        return 2
-    return 0

@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import logging
 import math
-import signal
-import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import trio
 
-from ..engines.engine import Engine
 from ..protocol import wire
 from ..protocol.session_file import SessionHeader
 from ..protocol.wire import K_DECODE, K_ERROR, K_FIRST, K_GEN, K_PREFILL, K_RESULT, Frame, Msg, WireError
@@ -34,7 +30,6 @@ from ..runtime.addresses import format_address, parse_address
 from ..runtime.api import GenerationRequest
 from ..runtime.engine_api import InProcessEngineAPI
 from ..runtime.errors import BadRequest, ContextExceeded, EmptyPrompt, EngineError
-from ..runtime.groups import sole_error
 from .frame_io import (
     HANDOVER_ERRORS,
     FrameStream,
@@ -268,35 +263,3 @@ class Worker:
 
 def error_msg(exc: Exception) -> Msg:
     return Msg({"code": getattr(exc, "code", "BAD_MESSAGE")}, str(exc))
-
-
-# ---- the command ------------------------------------------------------------------------
-
-
-def run_worker(args, compile_cache: Path | None) -> int:
-    settings = WorkerSettings(role=args.role, listen=args.listen, request_wait=args.request_wait,
-                              prefill=args.prefill)
-    engine = dict(kv_slots=args.kv_slots, max_context=args.max_context or 4096, dtype=args.dtype,
-                  kv_dtype=args.kv_dtype, mesh=args.mesh,
-                  compile_cache=compile_cache, warm_up=args.warm_up)
-    try:
-        with sole_error():
-            trio.run(serve_worker, args.model, engine, settings)
-    except OSError as exc:  # the address is taken or not ours
-        print(f"motet: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-async def serve_worker(model, engine_kwargs: dict, settings: WorkerSettings) -> None:
-    """Serve until SIGINT or SIGTERM; then stop accepting, and the engine drains."""
-    async with Engine(model, **engine_kwargs) as engine:
-        async with trio.open_nursery() as nursery:
-            address = await nursery.start(Worker(engine, settings).serve)
-            print(f"listening on {address}", file=sys.stderr, flush=True)
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for signum in signals:
-                    log.info("%s: stopping", signal.Signals(signum).name)
-                    break
-            nursery.cancel_scope.cancel()
-
