@@ -34,7 +34,7 @@ from engine_throughput import prompt_for
 
 from motet.engines.engine import Engine
 from motet.engines.mux_engine import MuxEngine
-from motet.engines.split import open_split_engines
+from motet.engines.split_children import open_split_engines
 from motet.model import default_model_path, load_model
 from motet.protocol import wire
 from motet.runtime.api import TokenEvent

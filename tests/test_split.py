@@ -16,7 +16,8 @@ import trio.testing
 from conftest import GOLDEN, MUX_COMMAND
 
 from motet.engines.engine import Engine
-from motet.engines.split import SplitEngine, open_split_engines
+from motet.engines.split import SplitEngine
+from motet.engines.split_children import open_split_engines
 from motet.engines.split_slots import SlotTable
 from motet.runtime.api import SplitStatistics
 from motet.runtime.errors import BadRequest, Cancelled, QueueFull, SlotBusy

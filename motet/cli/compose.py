@@ -28,7 +28,7 @@ async def open_engine(settings: ServeSettings, model, mirror=None):
     that is started again whenever the child exits, or with `split` a SplitEngine over two
     of them (`engine_cmd`, default `motet mux`)."""
     if settings.split is not None:
-        from ..engines.split import open_split_engines
+        from ..engines.split_children import open_split_engines
 
         async with open_split_engines(settings.split, settings.model_path, kv_slots=settings.kv_slots,
                                       max_context=settings.max_context, command=settings.engine_cmd,

@@ -18,7 +18,8 @@ or raising, a file refused, fewer tokens restored than the prompt needs) is no e
 for the client: the decode engine reads the prompt itself, only slower. A prefill
 engine that dies is started again in the background, at most once a minute.
 
-The settings are in split_settings.py.
+The settings are in runtime/split_settings.py; the state it keeps in split_state.py;
+open_split_engines (split_children.py) starts it over two `motet mux` children.
 """
 
 from __future__ import annotations
@@ -27,119 +28,29 @@ import itertools
 import logging
 import math
 import os
-import shlex
 import shutil
-import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
-from functools import partial
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import trio
 
 from ..runtime.api import EngineStatistics, ExpertState, Handover, Health, SplitStatistics, TokenEvent
 from ..runtime.collect import Collected
-from ..runtime.errors import Cancelled, DuplicateId, EngineClosed, EngineUnavailable, NotFound
+from ..runtime.errors import DuplicateId, EngineClosed, NotFound
 from ..runtime.service import Service
-from ..runtime.split_settings import RoleArgs, SplitSettings
+from ..runtime.split_settings import SplitSettings
 from .split_slots import SlotTable
+from .split_state import HandoverCounts, HandoverFailed, OpenEngine, Role, SplitRequest, SplitStream, SplitUnavailable
 
 log = logging.getLogger(__name__)  # "motet.engines.split"
 
 PREFILL_RESTART_EVERY_S = 60.0  # a prefill engine that died is started again at most this often
 DECODE_RESTART_EVERY_S = 1.0  # the decode engine serves everything: again at once, but no busy loop
 
-# ---- figures ---------------------------------------------------------------------------
-
-
 # ---- the engine --------------------------------------------------------------------------
-
-
-class SplitUnavailable(EngineUnavailable):
-    """The decode engine is starting again: the split serves nothing meanwhile."""
-
-    def __init__(self, start_error: str | None):
-        super().__init__(start_error, "the split's decode engine")
-
-
-class HandoverFailed(Exception):
-    """Why a handover did not happen; the decode engine reads the prompt itself."""
-
-
-OpenEngine = Callable[[], AbstractAsyncContextManager]
-
-
-@dataclass
-class _Role:
-    """One of the two engines: how to open it, the one running now, its slots."""
-
-    name: str
-    open: OpenEngine
-    restart_every_s: float
-    engine: object | None = None
-    slots: SlotTable | None = None
-    starts: int = 0  # successful starts
-    start_error: str | None = None
-    tried: trio.Event = field(default_factory=trio.Event)  # the first start is over
-    done: trio.Event = field(default_factory=trio.Event)  # its keeper has returned
-    changed: trio.Event = field(default_factory=trio.Event)  # set (and replaced) as an engine comes or goes
-
-    def changed_now(self) -> None:
-        self.changed.set()
-        self.changed = trio.Event()
-
-    def alive(self):
-        """The engine now, when it serves; else None."""
-        engine = self.engine
-        return engine if engine is not None and not engine.statistics().closing else None
-
-
-@dataclass
-class _Request:
-    """A request of the split's, until it ends. Before it reaches the decode engine
-    (waiting for a slot, or in its handover) cancel() ends it here."""
-
-    request_id: int
-    decode_id: int | None = None  # its id in the decode engine, once there
-    cancelled: bool = False
-    scope: trio.CancelScope | None = None  # the step it is in before the decode engine
-    on_decode: trio.Event = field(default_factory=trio.Event)  # in the decode engine, or ended
-    ended: trio.Event = field(default_factory=trio.Event)
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        if self.scope is not None:
-            self.scope.cancel()
-
-    @contextmanager
-    def cancellable(self):
-        """A step cancel() may end: then Cancelled comes out of it."""
-        self.scope = trio.CancelScope()
-        if self.cancelled:
-            self.scope.cancel()
-        try:
-            with self.scope:
-                yield
-        finally:
-            self.scope = None
-        if self.cancelled:
-            raise Cancelled(self.request_id)
-
-
-@dataclass
-class _Counts:
-    requests: int = 0
-    handovers: int = 0
-    fallbacks: int = 0
-    short: int = 0
-    bytes: int = 0
-    prefill_ms: float = 0.0
-    save_ms: float = 0.0
-    restore_ms: float = 0.0
-    last: Handover | None = None
 
 
 class SplitEngine(Service, Collected):
@@ -157,12 +68,12 @@ class SplitEngine(Service, Collected):
         self.settings = settings
         self.min_prompt_tokens = settings.min_prompt_tokens
         self.queue_limit = queue_limit
-        self._prefill = _Role("prefill", open_prefill, prefill_restart_every_s)
-        self._decode = _Role("decode", open_decode, DECODE_RESTART_EVERY_S)
+        self._prefill = Role("prefill", open_prefill, prefill_restart_every_s)
+        self._decode = Role("decode", open_decode, DECODE_RESTART_EVERY_S)
         self._encode = encode
         self._before_restore = before_restore
-        self._counts = _Counts()
-        self._requests: dict[int, _Request] = {}
+        self._counts = HandoverCounts()
+        self._requests: dict[int, SplitRequest] = {}
         self._ids = itertools.count(1)
         self._files = itertools.count(1)
         self._closing = False
@@ -203,7 +114,7 @@ class SplitEngine(Service, Collected):
         for request in list(self._requests.values()):
             await request.ended.wait()
 
-    async def _keep(self, role: _Role, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def _keep(self, role: Role, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Keep one engine running until close, starting it again after an exit, at most
         once per `role.restart_every_s`. The decode engine's first start must succeed."""
         last_start = -math.inf
@@ -362,7 +273,7 @@ class SplitEngine(Service, Collected):
         elif request_id in self._requests:
             raise DuplicateId(request_id)
         slots = self._decode.slots
-        request = self._requests[request_id] = _Request(request_id)
+        request = self._requests[request_id] = SplitRequest(request_id)
         target = history = None  # the decode slot, and what it holds afterwards (None: as before)
         try:
             with request.cancellable():
@@ -472,70 +383,3 @@ class SplitEngine(Service, Collected):
             await self._decode_engine().stop(request.decode_id)
 
 
-class SplitStream:
-    """The decode engine's events, passed on; the token events are kept, for what the
-    slot holds afterwards."""
-
-    def __init__(self, events, request_id: int):
-        self._events = events
-        self.request_id = request_id  # the split's id (the decode engine's is its own)
-        self.tokens: list[TokenEvent] = []
-
-    @property
-    def finish(self):
-        return self._events.finish
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        event = await self._events.__anext__()
-        if isinstance(event, TokenEvent):
-            self.tokens.append(event)
-        return event
-
-
-# ---- two `motet mux` children ------------------------------------------------------------
-
-
-def mux_command() -> tuple[str, ...]:
-    return (sys.executable, "-m", "motet", "mux")
-
-
-def open_split_engines(settings: SplitSettings, model_path: str | Path | None, *, kv_slots: int,
-                       max_context: int, command: Sequence[str] | str | None = None,
-                       env: Mapping[str, str] | None = None, queue_limit: int = 64, **split_kwargs) -> SplitEngine:
-    """A SplitEngine over two `motet mux` children (or `command`) on `model_path` (None:
-    the default model), started by `async with`. Each child gets CTX=max_context KVSAVE=0,
-    then `env`, then its role's KEY=VALUE entries and flags; with devices given,
-    CUDA_VISIBLE_DEVICES=<its device>. `split_kwargs` go to SplitEngine."""
-    from .mux_engine import MuxEngine
-
-    base = tuple(shlex.split(command) if isinstance(command, str) else command or mux_command())
-    # The split hands sessions over itself: no child keeps its slots between runs unless
-    # the decode role's args ask (KVSAVE=1, KVSAVE_DIR=...)
-    common = {"CTX": str(max_context), "KVSAVE": "0", **(env or {})}
-    if model_path is not None:
-        common["SNAP"] = str(model_path)
-
-    def opener(device: int | None, args: RoleArgs) -> OpenEngine:
-        role_env = {**common, **args.env}
-        if device is not None:
-            role_env["CUDA_VISIBLE_DEVICES"] = str(device)
-        return partial(MuxEngine, base + args.flags, env=role_env, kv_slots=kv_slots,
-                       chat_model=model_path, queue_limit=queue_limit)
-
-    tokenizer = None
-
-    def encode(prompt: str) -> list[int]:
-        nonlocal tokenizer
-        if tokenizer is None:  # the tokenizer file only, read once, as Engine.encode reads
-            from ..model.loader import load_chat
-
-            tokenizer = load_chat(model_path)[0]
-        add_bos = tokenizer.add_bos and not (tokenizer.bos_token and prompt.startswith(tokenizer.bos_token))
-        return tokenizer.encode(prompt, add_special=add_bos)
-
-    return SplitEngine(opener(settings.prefill_device, settings.prefill_args),
-                       opener(settings.decode_device, settings.decode_args), settings,
-                       encode=encode, queue_limit=queue_limit, **split_kwargs)
