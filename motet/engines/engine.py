@@ -21,7 +21,7 @@ from pathlib import Path
 import trio
 
 from ..actors.expert_cache import ExpertCache, HeatFile, SaveHeat
-from ..actors.expert_policy import ExpertPlan, ExpertPolicy, PolicySettings, default_heat_path, plan_experts
+from ..actors.expert_policy import ExpertPlan, ExpertPolicy
 from ..actors.kv_slot import KVSlot
 from ..actors.runner import ModelRunner
 from ..actors.scheduler import Cancel, Drain, Scheduler, StopNow, Submit, Subscribe
@@ -31,7 +31,6 @@ from ..model.detokenizer import IncrementalDetokenizer
 from ..model.kv import KV_DTYPE_CHOICES, KVGeometry
 from ..model.model import Model
 from ..model.sharding import MeshSpec
-from ..model.tiered import shared_weight_bytes
 from ..runtime.actor import EventStream, open_reply, open_stream
 from ..runtime.api import (
     EngineStatistics,
@@ -49,6 +48,7 @@ from ..runtime.errors import BadRequest, EngineClosed, EngineError, NotFound
 from ..runtime.experts import HITS_EVERY, ExpertMap, turn_entropy
 from ..runtime.service import Service
 from . import sessions
+from .experts_plan import plan_engine_experts
 
 log = logging.getLogger(__name__)
 
@@ -206,29 +206,10 @@ class Engine(Service, Collected):
         return model
 
     def _plan_experts(self) -> ExpertPolicy | None:
-        """Resident or tiered (expert_plan), and the policy that keeps the heat (None
-        for a dense model). A budget too small for the model raises ValueError here."""
-        from ..model.expert_source import expert_bytes, with_packed_experts
-
-        model, settings = self.model, self.expert_settings
-        cfg = model.config
-        plan = self.expert_plan = plan_experts(cfg, settings, expert_bytes(model), shared_weight_bytes(model.weights))
-        if not cfg.is_moe:
-            return None
-        if plan.mode == "resident" and not model.experts_packed:
-            self.model = model = with_packed_experts(model)
-        log.info("experts %s: %d of %d per layer on the device%s", plan.mode, plan.pool_slots, plan.experts,
-                 "" if plan.ram_capacity is None else f", at most {plan.ram_capacity} in RAM")
-        path = settings.heat_file
-        if path is None and plan.mode == "tiered":
-            path = default_heat_path(model.path, settings.heat_cache_dir)
-        if path is not None:
-            fingerprint = f"{cfg.arch}/{model.name}/{plan.layers}x{plan.experts}/d{cfg.hidden_size}"
-            self.heat_file = HeatFile(path, fingerprint)
-        heat = ExpertCache.read_heat(self.heat_file, (plan.layers, plan.experts))
-        policy_settings = PolicySettings(kind=settings.policy, prefetch=settings.prefetch)
-        return ExpertPolicy(plan.layers, plan.experts, plan.pool_slots, cfg.n_experts_per_tok,
-                            plan.ram_capacity, policy_settings, heat)
+        """Resident or tiered, and the policy that keeps the heat (None for a dense
+        model). A budget too small for the model raises ValueError here."""
+        self.model, self.expert_plan, self.heat_file, policy = plan_engine_experts(self.model, self.expert_settings)
+        return policy
 
     async def _close(self) -> None:
         await self.drain()  # requests in flight finish first
