@@ -42,7 +42,7 @@ from ..runtime.api import (
     StepRouting,
     Telemetry,
 )
-from ..runtime.collect import Collected, read_prompt
+from ..runtime.collect import Collected
 from ..runtime.config import DEFAULT_COMPILE_CACHE, ExpertSettings
 from ..runtime.errors import BadRequest, EngineClosed, EngineError, NotFound
 from ..runtime.experts import HITS_EVERY, ExpertMap, turn_entropy
@@ -270,9 +270,7 @@ class Engine(Service, Collected):
             prompt.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate: no text a tokenizer can read
             raise BadRequest("the prompt is not valid Unicode text (it holds a lone surrogate)") from None
-        tok = self.model.tokenizer
-        add_bos = tok.add_bos and not (tok.bos_token and prompt.startswith(tok.bos_token))
-        return tuple(tok.encode(prompt, add_special=add_bos))
+        return tuple(self.model.tokenizer.encode_prompt(prompt))
 
     @asynccontextmanager
     async def stream(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0,
@@ -281,12 +279,9 @@ class Engine(Service, Collected):
                      prefill_only: bool = False):
         """Submit a request; yields its EventStream. Leaving the block early, or a cancel
         of the surrounding scope, cancels the request."""
-        stop = (stop,) if isinstance(stop, str) else tuple(stop)
-        request = GenerationRequest(
-            prompt=prompt if isinstance(prompt, str) else tuple(prompt), max_tokens=max_tokens,
-            temperature=temperature, top_p=top_p, seed=seed, slot=slot, stop=stop,
-            top_logprobs=top_logprobs, request_id=request_id, prefill_only=prefill_only,
-        )
+        request = GenerationRequest.of(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                       slot=slot, stop=stop, top_logprobs=top_logprobs, request_id=request_id,
+                                       prefill_only=prefill_only)
         rid = request_id if request_id is not None else next(self._ids)
         send, receive = open_stream()
         await self._send(Submit(rid, request, self.encode(prompt), send))
@@ -350,12 +345,6 @@ class Engine(Service, Collected):
         """Write KV layers (an async iterable of (K, V) [tokens, kv_heads, head_dim]) into
         an idle slot as they arrive; it holds `tokens` once the last one is in."""
         await sessions.install(self._ask, slot, tokens, layers)
-
-    async def prefill(self, prompt, *, slot: int | None = None, request_id: int | None = None):
-        """Read a prompt up to its last token (n - 1 tokens into the slot's KV, where a
-        request continuing it resumes) without generating; its TurnStats (finish reason
-        "prefilled")."""
-        return await read_prompt(self, prompt, slot=slot, request_id=request_id)
 
     def expert_state(self) -> ExpertState:
         """The expert map now: heat per (MoE layer, expert), the experts routed in the

@@ -31,7 +31,6 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -39,12 +38,13 @@ import trio
 
 from ..actors.policy import SlotView, choose_slot
 from ..protocol import mux
-from ..protocol.session_file import SessionError
-from ..runtime.api import EngineStatistics, ExpertState, GenerationRequest, Perf, SlotFile, StartupReport, TurnStats
-from ..runtime.collect import Collected, read_prompt
-from ..runtime.errors import BadRequest, DuplicateId, EmptyPrompt, EngineClosed, EngineError, NotFound, QueueFull
+from ..runtime.api import EngineStatistics, ExpertState, GenerationRequest, SlotFile, StartupReport
+from ..runtime.collect import Collected
+from ..runtime.errors import BadRequest, EngineClosed, NotFound, QueueFull
 from ..runtime.service import Service
-from .mux_stream import EngineExited, EngineStartError, MuxStream, engine_error
+from .chat_files import ChatFiles
+from .mux_report import ChildReport
+from .mux_stream import EngineExited, EngineStartError, MuxStream, SlotCommand, check_wire_prompt, wire_request_id
 
 log = logging.getLogger(__name__)
 READ_SIZE = 65536
@@ -54,16 +54,6 @@ EXIT_GRACE_S = 10.0  # once its stdin is closed, how long the child has to exit
 
 async def _kill(process: trio.Process) -> None:
     process.kill()  # leaving on an error: no grace
-
-
-@dataclass
-class SlotCommand:
-    """A SAVE, RESTORE or ERASE sent to the child: its slot is not chosen for requests
-    until the answer comes (even when its caller has left)."""
-
-    slot: int
-    answered: trio.Event = field(default_factory=trio.Event)
-    answer: object = None  # the child's reply event, or an EngineClosed when it is gone
 
 
 class MuxEngine(Service, Collected):
@@ -78,8 +68,7 @@ class MuxEngine(Service, Collected):
         self.kv_slots = int(self.env["KV_SLOTS"])
         self.queue_limit = queue_limit
         self.topk = self.env.get("SERVE_TOPK") == "1"  # then every token ends with a TOPK line
-        self._chat_model = chat_model if chat_model is not None else self.env.get("SNAP") or None
-        self._render = None
+        self._chat = ChatFiles(chat_model if chat_model is not None else self.env.get("SNAP") or None)
         # Per slot: its last turn's prompt and answer as text, and when it was last used.
         self._slots: list[tuple[str, int]] = [("", 0)] * self.kv_slots
         self._clock = itertools.count(1)
@@ -88,14 +77,11 @@ class MuxEngine(Service, Collected):
         self._probes: dict[int, list[trio.Event]] = {}  # CANCEL/STOP of ids unknown here
         self._commands: dict[int, SlotCommand] = {}  # SAVE/RESTORE/ERASE awaiting their answer, by id
         self._ids = itertools.count(1)
-        self._experts = ExpertState(0, 0, b"", b"", 0, ())
-        self._gpus: tuple[tuple[float, float, int], ...] = ()
+        self._report = ChildReport()  # how it came up, and its telemetry lines
         self.process: trio.Process | None = None  # the child, once started
         self._closing = self._eof = False  # eof: the child's stdout ended
         self._exit_status: int | None = None
         self._exited = trio.Event()  # the reader is done: nothing more comes from the child
-        self._ready_s: float | None = None  # from spawning the child to its READY
-        self._warmup: mux.Warmup | None = None  # the child's WARMUP line
 
     # ---- life cycle -----------------------------------------------------------------
 
@@ -114,7 +100,7 @@ class MuxEngine(Service, Collected):
                 raise EngineStartError(f"the mux engine could not load its model ({fail.kind}): "
                                        f"{fail.detail} (exit status {status})", status, fail.kind)
             if mux.Ready() in events:
-                self._ready_s = time.perf_counter() - started
+                self._report.ready_s = time.perf_counter() - started
                 break
         else:
             status = await self.process.wait()
@@ -209,33 +195,16 @@ class MuxEngine(Service, Collected):
             case mux.Done() | mux.Error() | mux.Prefilled() if stream is not None:
                 self._end(stream, event)
             case mux.Warmup():
-                self._warmup = event
+                self._report.warmup = event
             case mux.Telemetry(kind, fields):
                 try:
-                    self._on_telemetry(kind, fields)
+                    self._report.line(kind, fields, self._streams)
                 except (ValueError, IndexError, TypeError) as exc:  # TypeError: too few fields
                     log.warning("mux engine: unreadable %s line: %s", kind, exc)
             case mux.BadLine(line, reason):
                 log.warning("mux engine: skipped a bad line (%s): %r", reason, line[:200])
             case _:
                 log.debug("mux engine: %r for no open request", event)
-
-    def _on_telemetry(self, kind: str, fields: tuple[str, ...]) -> None:
-        x = self._experts
-        if kind == "PERF" and (stream := self._streams.get(int(fields[0]))) is not None:
-            stream.perf = Perf(*map(float, fields[1:8]))
-        elif kind == "ENTROPY":
-            self._experts = ExpertState(x.rows, x.cols, x.emap, x.hits, x.seq, tuple(map(float, fields)))
-        elif kind == "GPUS":
-            self._gpus = tuple((float(fields[i]), float(fields[i + 1]), int(fields[i + 2]))
-                               for i in range(1, 1 + 3 * int(fields[0]), 3))
-        elif kind == "REPIN":
-            for stream in (s for s in self._streams.values() if s.slot is not None):
-                stream.repin.append(tuple(map(int, fields[:4])))
-        elif kind in ("EMAP", "HITS"):
-            rows, cols, bits = int(fields[0]), int(fields[1]), bytes.fromhex(fields[2])
-            self._experts = (ExpertState(rows, cols, bits, x.hits, x.seq, x.entropy) if kind == "EMAP"
-                             else ExpertState(rows, cols, x.emap, bits, x.seq + 1, x.entropy))
 
     def _route(self, stream: MuxStream, item) -> None:
         try:
@@ -247,7 +216,7 @@ class MuxEngine(Service, Collected):
         """A request's last frame (or a failure): free its slot, submit who waited for one."""
         del self._streams[stream.request_id]
         stream.ended_at = time.perf_counter()
-        stream.entropy_gpus = (self._experts.entropy, self._gpus)
+        stream.entropy_gpus = (self._report.experts.entropy, self._report.gpus)
         # A finished, prefilled or cancelled turn leaves its KV in the slot; a refused one none.
         cancelled = isinstance(final, mux.Error) and final.code == "CANCELLED" and stream.slot is not None
         if isinstance(final, mux.Done | mux.Prefilled) or cancelled:
@@ -312,24 +281,12 @@ class MuxEngine(Service, Collected):
                      stop=(), top_logprobs: int = 0, request_id: int | None = None,
                      prefill_only: bool = False):
         """As Engine.stream; `seed` is ignored (the mux protocol carries none)."""
-        stop = (stop,) if isinstance(stop, str) else tuple(stop)
-        request = GenerationRequest(
-            prompt=prompt if isinstance(prompt, str) else tuple(prompt), max_tokens=max_tokens,
-            temperature=temperature, top_p=top_p, seed=seed, slot=slot, stop=stop,
-            top_logprobs=top_logprobs, request_id=request_id, prefill_only=prefill_only,
-        )
-        if not prompt:
-            raise EmptyPrompt()
-        if not isinstance(prompt, str):
-            raise BadRequest("a mux engine takes text prompts, not token ids")
+        request = GenerationRequest.of(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                       slot=slot, stop=stop, top_logprobs=top_logprobs, request_id=request_id,
+                                       prefill_only=prefill_only)
         # What the wire cannot carry is refused here, at entry, not by the child at the first
         # event (in-band, for a request that waited for a slot), nor in _submit (the reader's)
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError:
-            raise BadRequest("the prompt holds a lone surrogate, which has no UTF-8 spelling") from None
-        if "\x00" in prompt:
-            raise BadRequest("the prompt holds a NUL character, which the mux protocol does not carry")
+        check_wire_prompt(prompt)
         if slot is not None:
             self._check_slot(slot)
             await self._wait_cancelled(slot)
@@ -364,22 +321,9 @@ class MuxEngine(Service, Collected):
             raise self._closed_error()
 
     def _request_id(self, request_id: int | None) -> int:
-        """The caller's id (checked), or the next one free here."""
-        in_flight = self._streams.keys() | self._commands.keys()
-        if request_id is None:
-            return next(i for i in self._ids if i not in in_flight)
-        if request_id in in_flight:
-            raise DuplicateId(request_id)
-        if request_id >= 1 << 64:
-            raise BadRequest(f"request ids are u64, got {request_id}")
-        return request_id
+        return wire_request_id(request_id, self._streams.keys() | self._commands.keys(), self._ids)
 
     # ---- a slot's KV [extension] ---------------------------------------------------------
-
-    async def prefill(self, prompt, *, slot: int | None = None, request_id: int | None = None) -> TurnStats:
-        """As Engine.prefill: read a prompt up to its last token into a slot (PREFILL), no
-        generation; its TurnStats (finish reason "prefilled", nothing emitted)."""
-        return await read_prompt(self, prompt, slot=slot, request_id=request_id)
 
     async def save_slot(self, slot: int, path: str | Path) -> SlotFile:
         """As Engine.save_slot (SAVE): the path is the child's, as it sees the file system."""
@@ -408,40 +352,19 @@ class MuxEngine(Service, Collected):
             del self._commands[rid]
             raise
         await command.answered.wait()
-        match command.answer:
-            case mux.SessionRefused(reason=reason):
-                raise SessionError(reason)
-            case mux.Error() as error:
-                raise engine_error(error, slot)
-            case EngineError() as error:
-                raise error
-        return command.answer
+        return command.result()
 
     def render_chat(self, messages: list[dict]) -> str:
-        if self._render is None:  # read on first use: the tokenizer file only, no weights
-            from ..model.loader import load_chat
-
-            self._render = load_chat(self._chat_model)[1]
-        return self._render(messages)
+        return self._chat.render_chat(messages)
 
     @property
     def name(self) -> str:
-        """As Model.name, of chat_model (else SNAP, else the default model): the file's
-        stem, or the directory's name."""
-        from ..model.loader import DEFAULT_MODEL_FILE
-
-        path = Path(self._chat_model or DEFAULT_MODEL_FILE)
-        return path.stem if path.suffix == ".gguf" or path.is_file() else path.name
+        """The name of chat_model (else SNAP, else the default model)."""
+        return self._chat.name
 
     def startup(self) -> StartupReport | None:
-        """How the child came up: the seconds from spawning it to its READY (what a request
-        waited), with what its WARMUP line says (only the seconds when it sends none)."""
-        if self._ready_s is None:
-            return None
-        w = self._warmup
-        if w is None:
-            return StartupReport(self._ready_s)
-        return StartupReport(self._ready_s, w.load_s, w.warmup_s, w.shapes, w.compiled, w.from_cache)
+        """How the child came up (ChildReport.startup)."""
+        return self._report.startup()
 
     def statistics(self) -> EngineStatistics:
         """Requests running and waiting now, as this client sees them (a snapshot)."""
@@ -473,4 +396,4 @@ class MuxEngine(Service, Collected):
 
     def expert_state(self) -> ExpertState:
         """The latest EMAP, HITS (seq counts them) and ENTROPY lines."""
-        return self._experts
+        return self._report.experts

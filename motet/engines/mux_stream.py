@@ -1,11 +1,14 @@
 """MuxStream: one request's events from a mux engine, as Engine's EventStream yields
 them, and the mapping of the wire's ERROR codes to the Engine's typed errors.
-MuxEngine's reader task routes frames here; iterating turns them into events."""
+MuxEngine's reader task routes frames here; iterating turns them into events. Also what
+the wire allows of a prompt and a request id, and a slot command awaiting its answer."""
 
 from __future__ import annotations
 
 import codecs
 from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import trio
@@ -13,6 +16,7 @@ import trio
 from ..actors.policy import StopMatcher
 from ..model.errors import ModelError
 from ..protocol import mux
+from ..protocol.session_file import SessionError
 from ..runtime.actor import open_stream
 from ..runtime.api import FinishEvent, GenerationRequest, Perf, TokenEvent, TopCandidate, TurnReport, TurnStats
 from ..runtime.errors import BadRequest, ContextExceeded, DuplicateId, EmptyPrompt, EngineClosed, EngineError, SlotBusy
@@ -47,11 +51,59 @@ ERRORS = {  # ERROR <id> <CODE> [args] → the Engine's typed error
 }
 
 
+def check_wire_prompt(prompt) -> None:
+    """What the mux wire cannot carry as a prompt, refused: nothing, token ids (the wire
+    is text), a lone surrogate (no UTF-8 spelling), a NUL."""
+    if not prompt:
+        raise EmptyPrompt()
+    if not isinstance(prompt, str):
+        raise BadRequest("a mux engine takes text prompts, not token ids")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest("the prompt holds a lone surrogate, which has no UTF-8 spelling") from None
+    if "\x00" in prompt:
+        raise BadRequest("the prompt holds a NUL character, which the mux protocol does not carry")
+
+
+def wire_request_id(request_id: int | None, in_flight, ids: Iterator[int]) -> int:
+    """The caller's id, checked against those in flight and the wire's u64; or the next
+    of `ids` not in flight."""
+    if request_id is None:
+        return next(i for i in ids if i not in in_flight)
+    if request_id in in_flight:
+        raise DuplicateId(request_id)
+    if request_id >= 1 << 64:
+        raise BadRequest(f"request ids are u64, got {request_id}")
+    return request_id
+
+
 def engine_error(error: mux.Error, slot: int | None) -> EngineError:
     try:
         return ERRORS[error.code](error, slot)
     except (KeyError, IndexError, ValueError):  # BAD_REQUEST, BAD_FRAME, codes to come
         return BadRequest(f"request {error.request_id}: {' '.join((error.code, *error.args))}")
+
+
+@dataclass
+class SlotCommand:
+    """A SAVE, RESTORE or ERASE sent to the child: its slot is not chosen for requests
+    until the answer comes (even when its caller has left)."""
+
+    slot: int
+    answered: trio.Event = field(default_factory=trio.Event)
+    answer: object = None  # the child's reply event, or an EngineClosed when it is gone
+
+    def result(self):
+        """The child's answer; its refusal raised as Engine's."""
+        match self.answer:
+            case mux.SessionRefused(reason=reason):
+                raise SessionError(reason)
+            case mux.Error() as error:
+                raise engine_error(error, self.slot)
+            case EngineError() as error:
+                raise error
+        return self.answer
 
 
 class MuxStream:

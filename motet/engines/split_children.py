@@ -9,6 +9,7 @@ from functools import partial
 from pathlib import Path
 
 from ..runtime.split_settings import RoleArgs, SplitSettings
+from .chat_files import ChatFiles
 from .split import SplitEngine
 from .split_state import OpenEngine
 
@@ -40,17 +41,6 @@ def open_split_engines(settings: SplitSettings, model_path: str | Path | None, *
         return partial(MuxEngine, base + args.flags, env=role_env, kv_slots=kv_slots,
                        chat_model=model_path, queue_limit=queue_limit)
 
-    tokenizer = None
-
-    def encode(prompt: str) -> list[int]:
-        nonlocal tokenizer
-        if tokenizer is None:  # the tokenizer file only, read once, as Engine.encode reads
-            from ..model.loader import load_chat
-
-            tokenizer = load_chat(model_path)[0]
-        add_bos = tokenizer.add_bos and not (tokenizer.bos_token and prompt.startswith(tokenizer.bos_token))
-        return tokenizer.encode(prompt, add_special=add_bos)
-
     return SplitEngine(opener(settings.prefill_device, settings.prefill_args),
                        opener(settings.decode_device, settings.decode_args), settings,
-                       encode=encode, queue_limit=queue_limit, **split_kwargs)
+                       encode=ChatFiles(model_path).encode, queue_limit=queue_limit, **split_kwargs)

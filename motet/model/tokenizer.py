@@ -304,6 +304,11 @@ class Tokenizer:
             ids.insert(0, self._bos_id)
         return ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt's ids: BOS first where the model wants one, unless the text opens with
+        it already (a rendered chat template)."""
+        return self.encode(text, add_special=self.add_bos and not (self.bos_token and text.startswith(self.bos_token)))
+
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         return self._hf.decode(list(ids), skip_special_tokens=skip_special)
 

@@ -24,6 +24,13 @@ class GenerationRequest:
     # continuing it resumes) and finish "prefilled" without generating.
     prefill_only: bool = False
 
+    @classmethod
+    def of(cls, prompt, *, stop=(), **fields) -> GenerationRequest:
+        """From an engine's stream() arguments: a prompt of text or token ids, and one stop
+        string or several."""
+        return cls(prompt=prompt if isinstance(prompt, str) else tuple(prompt),
+                   stop=(stop,) if isinstance(stop, str) else tuple(stop), **fields)
+
     def __post_init__(self):
         from .errors import BadRequest
 

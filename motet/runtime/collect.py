@@ -1,7 +1,7 @@
 """What every engine offers on top of its own `stream()`, `render_chat()`, `statistics()`
 and `startup()`: the answer collected (`complete`, `chat`), a chat streamed
-(`stream_chat`), its health, and a prompt read without an answer (`read_prompt`, behind
-each engine's `prefill`). One copy for all four engines."""
+(`stream_chat`), its health, and a prompt read without an answer (`prefill`). One copy
+for all four engines."""
 
 from __future__ import annotations
 
@@ -31,15 +31,14 @@ class Collected:
     def health(self) -> Health:
         return Health.of(self.statistics().closing, self.startup())
 
-
-async def read_prompt(engine, prompt, *, slot: int | None, request_id: int | None) -> TurnStats:
-    """A prefill-only request: the prompt up to its last token into a slot's KV (where a
-    request continuing it resumes), nothing generated; its TurnStats (finish reason
-    "prefilled")."""
-    async with engine.stream(prompt, max_tokens=1, slot=slot, request_id=request_id,
-                             prefill_only=True) as events:
-        async for _ in events:
-            pass
-    if events.finish.stats.finish_reason == "cancelled":
-        raise Cancelled(events.request_id)
-    return events.finish.stats
+    async def prefill(self, prompt, *, slot: int | None = None, request_id: int | None = None) -> TurnStats:
+        """Read a prompt up to its last token (n - 1 tokens into the slot's KV, where a
+        request continuing it resumes) without generating; its TurnStats (finish reason
+        "prefilled")."""
+        async with self.stream(prompt, max_tokens=1, slot=slot, request_id=request_id,
+                               prefill_only=True) as events:
+            async for _ in events:
+                pass
+        if events.finish.stats.finish_reason == "cancelled":
+            raise Cancelled(events.request_id)
+        return events.finish.stats

@@ -1,0 +1,35 @@
+"""A model's name, chat template and tokenizer, for an engine whose model lives in a
+child process: read from its files on first use (the tokenizer and template only, no
+weights)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class ChatFiles:
+    def __init__(self, model_path: str | Path | None):
+        self.path = model_path  # None: the default model
+        self._chat = None  # (tokenizer, render), once read
+
+    @property
+    def name(self) -> str:
+        """As Model.name: the file's stem, or the directory's name."""
+        from ..model.loader import DEFAULT_MODEL_FILE
+
+        path = Path(self.path or DEFAULT_MODEL_FILE)
+        return path.stem if path.suffix == ".gguf" or path.is_file() else path.name
+
+    def _read(self):
+        if self._chat is None:
+            from ..model.loader import load_chat
+
+            self._chat = load_chat(self.path)
+        return self._chat
+
+    def render_chat(self, messages: list[dict]) -> str:
+        return self._read()[1](messages)
+
+    def encode(self, prompt: str) -> list[int]:
+        """As Engine.encode reads a text prompt."""
+        return self._read()[0].encode_prompt(prompt)
