@@ -750,7 +750,8 @@ async def test_seeds(llama):
 async def test_a_reader_gone_before_acceptance_does_not_hurt_the_scheduler(llama):
     """A caller cancelled while its Submit waits in the inbox has closed its stream; the
     scheduler's answer to it must not take the engine down."""
-    from motet.actors.scheduler import GenerationRequest, Submit
+    from motet.actors.scheduler_messages import Submit
+    from motet.runtime.api import GenerationRequest
 
     with trio.fail_after(TIMEOUT):
         async with Engine(llama, **TINY) as engine:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..runtime.errors import BadRequest, ContextExceeded, DuplicateId, EmptyPrompt, EngineClosed, EngineError, SlotBusy
+
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
@@ -76,3 +78,22 @@ class StopMatcher:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
+
+
+def refusal(request_id: int, slot: int | None, prompt_tokens: int, *, closing: bool, in_flight: set[int],
+            max_context: int, slots: int, busy: bool) -> EngineError | None:
+    """Why the scheduler refuses a request at once, or None. busy: its slot (when it names
+    one) is taken."""
+    if closing:
+        return EngineClosed()
+    if request_id in in_flight:
+        return DuplicateId(request_id)
+    if prompt_tokens == 0:
+        return EmptyPrompt()
+    if prompt_tokens >= max_context:
+        return ContextExceeded(prompt_tokens, max_context)
+    if slot is not None and not 0 <= slot < slots:
+        return BadRequest(f"slot must be in [0, {slots - 1}], got {slot}")
+    if slot is not None and busy:
+        return SlotBusy(slot)
+    return None

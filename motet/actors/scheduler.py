@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import numpy as np
 import trio
@@ -22,7 +21,6 @@ from ..runtime.actor import open_inbox, open_reply
 from ..runtime.api import (
     EngineStatistics,
     FinishEvent,
-    GenerationRequest,
     StepRouting,
     Telemetry,
     TokenEvent,
@@ -31,134 +29,20 @@ from ..runtime.api import (
     TurnStats,
 )
 from ..runtime.errors import (
-    BadRequest,
-    ContextExceeded,
-    DuplicateId,
-    EmptyPrompt,
-    EngineClosed,
     QueueFull,
-    SlotBusy,
 )
-from ..runtime.experts import REPIN_KEPT, device_moves, turn_entropy, turn_perf
+from ..runtime.experts import turn_entropy, turn_perf
+from .active_request import Active, add_routing, tell
 from .expert_cache import ExpertCache, TurnEnded
-from .kv_slot import Claim, Extend, KVSlot, Probe, Release, SetHistory
-from .policy import StopMatcher, choose_slot
+from .kv_slot import Claim, Extend, KVSlot, Probe, Release
+from .policy import StopMatcher, choose_slot, refusal
 from .runner import ExpertStep, ModelRunner
+from .scheduler_messages import Accepted, Cancel, Drain, StopNow, Submit, Subscribe, refuse_queued
 from .slot_io import FreeSlot, HoldSlot, ReadLayers, WriteLayers
-from .step_rows import DecodeInFlight, Sampled, SamplingRow
+from .slot_transfers import SlotTransfers
+from .step_rows import DecodeInFlight, Sampled, next_step_rows
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Submit:
-    request_id: int
-    request: GenerationRequest
-    prompt: tuple[int, ...]
-    events: trio.MemorySendChannel  # first an Accepted or an EngineError, then the stream
-
-
-@dataclass(frozen=True)
-class Cancel:
-    request_id: int
-    reply: trio.MemorySendChannel | None = None  # gets True, or False for an unknown id
-
-
-@dataclass(frozen=True)
-class StopNow:
-    """End a request now through its normal finish (finish reason `stop`)."""
-
-    request_id: int
-    reply: trio.MemorySendChannel | None = None  # gets True, or False for an unknown id
-
-
-@dataclass(frozen=True)
-class Subscribe:
-    """Send every turn's Telemetry and every step's StepRouting to this channel (dropped
-    when it is full)."""
-
-    channel: trio.MemorySendChannel
-
-
-@dataclass(frozen=True)
-class Drain:
-    """Refuse new requests; reply once every request in flight has finished."""
-
-    reply: trio.MemorySendChannel
-
-
-@dataclass(frozen=True)
-class Accepted:
-    request_id: int
-
-
-@dataclass
-class Active:
-    """A request the scheduler is working on."""
-
-    submit: Submit
-    slot: int
-    reused: int
-    detok: IncrementalDetokenizer
-    stops: StopMatcher
-    key: np.ndarray
-    started: float
-    cursor: int = 0  # prompt tokens whose KV is written
-    target: int = 0  # prompt tokens to write: all, or all but the last (prefill_only)
-    next_token: int | None = None  # sampled, not yet fed back
-    position: int = 0  # where next_token goes
-    emitted: int = 0
-    first_token_at: float | None = None
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    sample_s: float = 0.0
-    expert_counts: np.ndarray | None = None
-    token_ids: list[int] = field(default_factory=list)
-    pool_lookups: int = 0  # tiered experts: unique experts its steps needed
-    pool_hits: int = 0  # of those, on the device already
-    repin: list[tuple[int, int, int, int]] = field(default_factory=list)  # moves onto the device
-    expert_wait_s: float = 0.0  # its steps' seconds moving experts
-    expert_disk_s: float = 0.0  # of those, reading the model file
-
-    @property
-    def request(self) -> GenerationRequest:
-        return self.submit.request
-
-    @property
-    def rid(self) -> int:
-        return self.submit.request_id
-
-    def count_experts(self, experts: np.ndarray) -> None:
-        if self.expert_counts is not None:
-            add_routing(self.expert_counts, experts)
-
-    def count_step(self, step: ExpertStep) -> None:
-        self.pool_lookups += step.lookups
-        self.pool_hits += step.hits
-        self.expert_wait_s += step.wait_s
-        self.expert_disk_s += step.disk_s
-        self.repin.extend(device_moves(step.moves))
-        del self.repin[:-REPIN_KEPT]
-
-    def sampling_row(self) -> SamplingRow:
-        r = self.request
-        return SamplingRow(r.temperature, r.top_p, self.key, r.top_logprobs > 0)
-
-
-def add_routing(counts: np.ndarray, experts: np.ndarray) -> None:
-    """Add routed-expert ids ([MoE layers, ...]) to per-layer, per-expert counts."""
-    if experts.size:
-        layers = experts.reshape(experts.shape[0], -1)
-        np.add.at(counts, (np.arange(layers.shape[0])[:, None], layers), 1)
-
-
-def _tell(sub: Submit, event) -> bool:
-    """Put an event on a request's stream; False when its reader is gone (a cancel)."""
-    try:
-        sub.events.send_nowait(event)
-        return True
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        return False
 
 
 class Scheduler:
@@ -185,7 +69,7 @@ class Scheduler:
         self.limiter = trio.CapacityLimiter(1)  # the one thread that touches the device
         self.closing = False
         self.drained: list[trio.MemorySendChannel] = []
-        self.held: set[int] = set()  # slots whose KV is being saved or installed
+        self.transfers = SlotTransfers(slots, runner, self.limiter)  # slots held for a KV transfer
         # a decode step dispatched and not yet read back: its rows and the runner's handle
         self.ahead: tuple[list[Active], DecodeInFlight] | None = None
 
@@ -208,30 +92,11 @@ class Scheduler:
         finally:
             # Whatever ends the loop, nobody waits forever: later sends to the inbox fail,
             # and a stream closed without a finish event reads as "shutting down".
-            self._refuse_queued_messages()
+            refuse_queued(self.inbox.receive)
             for act in self.active.values():
                 act.submit.events.close()
             for sub in self.waiting:
                 sub.events.close()
-
-    def _refuse_queued_messages(self):
-        while True:
-            try:
-                msg = self.inbox.receive.receive_nowait()
-            except (trio.WouldBlock, trio.ClosedResourceError):
-                break
-            match msg:
-                case Submit(events=events):
-                    events.close()
-                case Cancel(reply=reply) | StopNow(reply=reply) if reply is not None:
-                    reply.send_nowait(False)
-                case Drain(reply):
-                    reply.send_nowait(None)
-                case HoldSlot(reply=reply) | ReadLayers(reply=reply) | WriteLayers(reply=reply):
-                    reply.close()
-                case FreeSlot(reply=reply) if reply is not None:
-                    reply.close()
-        self.inbox.receive.close()
 
     def _notify_drained(self):
         if self.closing and not self.active and not self.waiting:
@@ -268,7 +133,8 @@ class Scheduler:
                 if reply is not None:
                     reply.send_nowait(found)
             case HoldSlot() | ReadLayers() | WriteLayers() | FreeSlot():
-                await self._slot_io(msg)
+                if await self.transfers.handle(msg, self._busy):
+                    await self._admit_waiting()
             case _:
                 raise TypeError(f"the scheduler got an unknown message {msg!r}")
 
@@ -281,38 +147,28 @@ class Scheduler:
     # ---- admission ------------------------------------------------------------------
 
     async def _submit(self, sub: Submit):
-        req, n = sub.request, len(sub.prompt)
-        error = None
-        if self.closing:
-            error = EngineClosed()
-        elif sub.request_id in self.in_flight():
-            error = DuplicateId(sub.request_id)
-        elif n == 0:
-            error = EmptyPrompt()
-        elif n >= self.max_context:
-            error = ContextExceeded(n, self.max_context)
-        elif req.slot is not None and not 0 <= req.slot < len(self.slots):
-            error = BadRequest(f"slot must be in [0, {len(self.slots) - 1}], got {req.slot}")
-        elif req.slot is not None and self._busy(req.slot):
-            error = SlotBusy(req.slot)
+        req = sub.request
+        busy = req.slot is not None and 0 <= req.slot < len(self.slots) and self._busy(req.slot)
+        error = refusal(sub.request_id, req.slot, len(sub.prompt), closing=self.closing,
+                        in_flight=self.in_flight(), max_context=self.max_context, slots=len(self.slots), busy=busy)
         if error is not None:
-            _tell(sub, error)
+            tell(sub, error)
             return
         if req.slot is None:
             slot = await self._pick_slot(sub.prompt)
             if slot is None:
                 if len(self.waiting) >= self.queue_limit:
-                    _tell(sub, QueueFull(self.queue_limit))
-                elif _tell(sub, Accepted(sub.request_id)):
+                    tell(sub, QueueFull(self.queue_limit))
+                elif tell(sub, Accepted(sub.request_id)):
                     self.waiting.append(sub)
                 return
         else:
             slot = req.slot
-        if _tell(sub, Accepted(sub.request_id)):  # else the caller has already gone
+        if tell(sub, Accepted(sub.request_id)):  # else the caller has already gone
             await self._start(sub, slot)
 
     def _busy(self, slot: int) -> bool:
-        return slot in self.held or any(a.slot == slot for a in self.active.values())
+        return slot in self.transfers.held or any(a.slot == slot for a in self.active.values())
 
     async def _pick_slot(self, prompt) -> int | None:
         views = []
@@ -342,44 +198,6 @@ class Scheduler:
             return
         self.prefilling.append(sub.request_id)
 
-    # ---- a slot's KV in and out (slot_io) ---------------------------------------------
-
-    async def _slot_io(self, msg):
-        match msg:
-            case HoldSlot(slot, reply):
-                if not 0 <= slot < len(self.slots):
-                    reply.send_nowait(BadRequest(f"slot must be in [0, {len(self.slots) - 1}], got {slot}"))
-                elif self._busy(slot):
-                    reply.send_nowait(SlotBusy(slot))
-                else:
-                    self.held.add(slot)
-                    probe, answer = open_reply()
-                    await self.slots[slot].inbox.send.send(Probe(probe))
-                    reply.send_nowait((await answer.receive()).history)
-            case ReadLayers(slot, layers, tokens, reply) if slot in self.held:
-                read = self.runner.read_layers
-                reply.send_nowait(await self._device_io(read, slot, layers.start, len(layers), tokens))
-            case WriteLayers(slot, first, pairs, reply) if slot in self.held:
-                reply.send_nowait(await self._device_io(self.runner.write_layers, slot, first, list(pairs)))
-            case ReadLayers(slot, reply=reply) | WriteLayers(slot, reply=reply):
-                reply.send_nowait(BadRequest(f"slot {slot} is not held for a KV transfer"))
-            case FreeSlot(slot, history, reply):
-                if slot in self.held:
-                    if history is not None:
-                        await self.slots[slot].inbox.send.send(SetHistory(tuple(history)))
-                    self.held.discard(slot)
-                if reply is not None:
-                    reply.send_nowait(None)
-                await self._admit_waiting()
-
-    async def _device_io(self, call, *args):
-        """A KV transfer call in the device thread: its result, or the exception it raised
-        (a bad transfer fails the caller, not the scheduler)."""
-        try:
-            return await trio.to_thread.run_sync(call, *args, limiter=self.limiter)
-        except Exception as exc:  # noqa: BLE001 - handed to the caller
-            return exc
-
     # ---- device work ----------------------------------------------------------------
 
     async def _prefill_chunk(self):
@@ -404,7 +222,7 @@ class Scheduler:
         if not last or act.rid not in self.active:
             return
         if act.request.prefill_only:
-            await self._device_io(self.runner.wait_ready)  # "prefilled" means the KV is there
+            await self.transfers.device_io(self.runner.wait_ready)  # "prefilled" means the KV is there
             await self._finish(act, "prefilled")
             return
         self._publish_routing([sampled.experts], len(chunk), step)
@@ -421,9 +239,9 @@ class Scheduler:
         at step t has computed one token more, which is dropped (its KV past the slot's
         history is never read)."""
         current = self.ahead
-        fresh = self._decode_rows([]) if current is None else None
+        fresh = self._next_rows([]) if current is None else None
         unread = (current or fresh)[0]
-        following = self._decode_rows(unread) if self.runner.chains else ([], None)
+        following = self._next_rows(unread) if self.runner.chains else ([], None)
         started, sampling = time.perf_counter(), self.runner.sample_seconds
 
         def work():
@@ -448,27 +266,8 @@ class Scheduler:
         if self.ahead is not None and not any(self._decoding(a) for a in self.ahead[0]):
             self.ahead = None
 
-    def _decode_rows(self, unread: list[Active]):
-        """The rows of the next decode step and the runner's arguments for them. unread:
-        the rows of a step dispatched and not yet read back; those that go on are chained
-        to it (their token is on the device), unless they end at it for their length.
-        Every other decoding row feeds its token from the host."""
-        rows = [a for a in unread if self._decoding(a) and not self._ends_at_unread_step(a)]
-        chained = [True] * len(rows)
-        in_unread = set(map(id, unread))  # by identity: Active's fields hold arrays
-        for rid in self.decoding:
-            act = self.active[rid]
-            if id(act) not in in_unread:
-                rows.append(act)
-                chained.append(False)
-        tokens = [0 if link else a.next_token for a, link in zip(rows, chained)]
-        positions = [a.position + link for a, link in zip(rows, chained)]
-        args = (tokens, [a.slot for a in rows], positions, [a.sampling_row() for a in rows], chained)
-        return rows, args
-
-    def _ends_at_unread_step(self, act: Active) -> bool:
-        """Whether the unread step `act` is in ends it for its length, whatever it samples."""
-        return act.emitted + 1 >= act.request.max_tokens or act.position + 2 >= self.max_context
+    def _next_rows(self, unread: list[Active]):
+        return next_step_rows(unread, [self.active[rid] for rid in self.decoding], self._decoding, self.max_context)
 
     def _decoding(self, act: Active) -> bool:
         return self.active.get(act.rid) is act and act.rid in self.decoding
@@ -515,7 +314,7 @@ class Scheduler:
             act.next_token = token
 
     def _send(self, act: Active, event) -> bool:
-        return _tell(act.submit, event)
+        return tell(act.submit, event)
 
     async def _cancel(self, rid: int) -> bool:
         for sub in list(self.waiting):
@@ -530,7 +329,7 @@ class Scheduler:
 
     def _send_final_cancel(self, sub: Submit, rid: int):
         stats = TurnStats(rid, -1, "cancelled", len(sub.prompt), 0, 0, 0.0, 0.0, 0.0)
-        _tell(sub, FinishEvent(stats))
+        tell(sub, FinishEvent(stats))
 
     async def _finish(self, act: Active, reason: str, stop_matched: bool = False):
         rid = act.rid
@@ -547,16 +346,7 @@ class Scheduler:
             tail, matched = act.stops.push(act.detok.flush())
             if not matched:
                 tail += act.stops.flush()
-        first = act.first_token_at or now
-        decode_s = now - first
-        stats = TurnStats(
-            request_id=rid, slot=act.slot, finish_reason=reason,
-            prompt_tokens=len(act.submit.prompt), reused_tokens=act.reused,
-            emitted_tokens=act.emitted, time_to_first_token_s=first - act.started,
-            decode_tokens_per_s=(act.emitted - 1) / decode_s if act.emitted > 1 and decode_s > 0 else 0.0,
-            total_s=now - act.started,
-        )
-        telemetry = self._telemetry(act)
+        stats, telemetry = act.turn_stats(reason, now), act.telemetry()
         self._send(act, FinishEvent(stats, tail, telemetry, self._report(stats, telemetry, act)))
         act.submit.events.close()
         self.clock += 1
@@ -575,11 +365,6 @@ class Scheduler:
             if slot is None:
                 return
             await self._start(self.waiting.popleft(), slot)
-
-    def _telemetry(self, act: Active) -> Telemetry:
-        counts = tuple(tuple(int(c) for c in layer) for layer in act.expert_counts)
-        return Telemetry(act.rid, act.prefill_s, act.decode_s, act.sample_s, counts,
-                         act.expert_wait_s, act.expert_disk_s)
 
     def _report(self, stats: TurnStats, telemetry: Telemetry, act: Active) -> TurnReport:
         entropy = turn_entropy(telemetry.expert_counts, self.dense_layers)

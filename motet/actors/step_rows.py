@@ -4,6 +4,7 @@ conversions between them and the device's arrays."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,3 +69,27 @@ def sampled_rows(rows: list[SamplingRow], drawn, experts: np.ndarray) -> list[Sa
         )
         for i, r in enumerate(rows)
     ]
+
+
+def next_step_rows(unread: list, decoding: list, goes_on: Callable[[object], bool], max_context: int):
+    """The rows of the next decode step (the scheduler's Active requests) and the runner's
+    arguments for them. unread: the rows of a step dispatched and not yet read back;
+    those that go on (goes_on) are chained to it (their token is on the device), unless
+    they end at it for their length. Every other row of `decoding` feeds its token from
+    the host."""
+    rows = [a for a in unread if goes_on(a) and not ends_at_unread_step(a, max_context)]
+    chained = [True] * len(rows)
+    in_unread = set(map(id, unread))  # by identity: a request's fields hold arrays
+    for act in decoding:
+        if id(act) not in in_unread:
+            rows.append(act)
+            chained.append(False)
+    tokens = [0 if link else a.next_token for a, link in zip(rows, chained)]
+    positions = [a.position + link for a, link in zip(rows, chained)]
+    args = (tokens, [a.slot for a in rows], positions, [a.sampling_row() for a in rows], chained)
+    return rows, args
+
+
+def ends_at_unread_step(act, max_context: int) -> bool:
+    """Whether the unread step a request is in ends it for its length, whatever it samples."""
+    return act.emitted + 1 >= act.request.max_tokens or act.position + 2 >= max_context

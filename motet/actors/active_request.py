@@ -1,0 +1,102 @@
+"""A request the scheduler is working on (Active): its slot, its place in the prompt,
+what it has emitted, its sampling key and its turn's figures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import trio
+
+from ..model.detokenizer import IncrementalDetokenizer
+from ..runtime.api import GenerationRequest, Telemetry, TurnStats
+from ..runtime.experts import REPIN_KEPT, device_moves
+from .policy import StopMatcher
+from .runner import ExpertStep
+from .scheduler_messages import Submit
+from .step_rows import SamplingRow
+
+
+@dataclass
+class Active:
+    """A request the scheduler is working on."""
+
+    submit: Submit
+    slot: int
+    reused: int
+    detok: IncrementalDetokenizer
+    stops: StopMatcher
+    key: np.ndarray
+    started: float
+    cursor: int = 0  # prompt tokens whose KV is written
+    target: int = 0  # prompt tokens to write: all, or all but the last (prefill_only)
+    next_token: int | None = None  # sampled, not yet fed back
+    position: int = 0  # where next_token goes
+    emitted: int = 0
+    first_token_at: float | None = None
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    sample_s: float = 0.0
+    expert_counts: np.ndarray | None = None
+    token_ids: list[int] = field(default_factory=list)
+    pool_lookups: int = 0  # tiered experts: unique experts its steps needed
+    pool_hits: int = 0  # of those, on the device already
+    repin: list[tuple[int, int, int, int]] = field(default_factory=list)  # moves onto the device
+    expert_wait_s: float = 0.0  # its steps' seconds moving experts
+    expert_disk_s: float = 0.0  # of those, reading the model file
+
+    @property
+    def request(self) -> GenerationRequest:
+        return self.submit.request
+
+    @property
+    def rid(self) -> int:
+        return self.submit.request_id
+
+    def count_experts(self, experts: np.ndarray) -> None:
+        if self.expert_counts is not None:
+            add_routing(self.expert_counts, experts)
+
+    def count_step(self, step: ExpertStep) -> None:
+        self.pool_lookups += step.lookups
+        self.pool_hits += step.hits
+        self.expert_wait_s += step.wait_s
+        self.expert_disk_s += step.disk_s
+        self.repin.extend(device_moves(step.moves))
+        del self.repin[:-REPIN_KEPT]
+
+    def turn_stats(self, reason: str, now: float) -> TurnStats:
+        first = self.first_token_at or now
+        decode_s = now - first
+        return TurnStats(
+            request_id=self.rid, slot=self.slot, finish_reason=reason,
+            prompt_tokens=len(self.submit.prompt), reused_tokens=self.reused,
+            emitted_tokens=self.emitted, time_to_first_token_s=first - self.started,
+            decode_tokens_per_s=(self.emitted - 1) / decode_s if self.emitted > 1 and decode_s > 0 else 0.0,
+            total_s=now - self.started,
+        )
+
+    def telemetry(self) -> Telemetry:
+        counts = tuple(tuple(int(c) for c in layer) for layer in self.expert_counts)
+        return Telemetry(self.rid, self.prefill_s, self.decode_s, self.sample_s, counts,
+                         self.expert_wait_s, self.expert_disk_s)
+
+    def sampling_row(self) -> SamplingRow:
+        r = self.request
+        return SamplingRow(r.temperature, r.top_p, self.key, r.top_logprobs > 0)
+
+
+def add_routing(counts: np.ndarray, experts: np.ndarray) -> None:
+    """Add routed-expert ids ([MoE layers, ...]) to per-layer, per-expert counts."""
+    if experts.size:
+        layers = experts.reshape(experts.shape[0], -1)
+        np.add.at(counts, (np.arange(layers.shape[0])[:, None], layers), 1)
+
+
+def tell(sub: Submit, event) -> bool:
+    """Put an event on a request's stream; False when its reader is gone (a cancel)."""
+    try:
+        sub.events.send_nowait(event)
+        return True
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        return False
