@@ -84,3 +84,10 @@ async def test_a_wheel_in_a_fresh_venv_serves_the_page_it_ships(tmp_path):
             process.terminate()
     assert page.status_code == 200
     assert page.content == (REPO / "motet" / "web" / "index.html").read_bytes()
+
+
+def test_no_module_is_over_400_lines():
+    """docs/architecture.md: a module does one thing and is read whole."""
+    long = {str(path.relative_to(REPO)): n for path in (REPO / "motet").rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > 400}
+    assert long == {}

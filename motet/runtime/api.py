@@ -9,6 +9,18 @@ from typing import Literal
 FinishReason = Literal["stop", "length", "cancelled", "prefilled"]
 
 
+def sampling_problem(max_tokens: int, temperature: float, top_p: float) -> str | None:
+    """What is wrong with these sampling settings, or None: one rule for the engines'
+    requests and the command's flags."""
+    if max_tokens < 1:
+        return f"max_tokens must be at least 1, got {max_tokens}"
+    if not 0 <= temperature <= 100:
+        return f"temperature must be in [0, 100], got {temperature}"
+    if not 0 < top_p <= 1:
+        return f"top_p must be in (0, 1], got {top_p}"
+    return None
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt: str | tuple[int, ...]
@@ -34,12 +46,8 @@ class GenerationRequest:
     def __post_init__(self):
         from .errors import BadRequest
 
-        if self.max_tokens < 1:
-            raise BadRequest(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not 0 <= self.temperature <= 100:
-            raise BadRequest(f"temperature must be in [0, 100], got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if (problem := sampling_problem(self.max_tokens, self.temperature, self.top_p)) is not None:
+            raise BadRequest(problem)
         if not 0 <= self.top_logprobs <= 5:
             raise BadRequest(f"top_logprobs must be in [0, 5], got {self.top_logprobs}")
         if self.request_id is not None and self.request_id <= 0:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from .api import sampling_problem
+
 # JAX's persistent compilation cache, for every entry point (the CLI's --compile-cache and
 # MOTET_COMPILE_CACHE move it; Engine(compile_cache=...) too).
 DEFAULT_COMPILE_CACHE = Path.home() / ".cache" / "motet" / "jax"
@@ -39,12 +41,8 @@ class SamplingSettings:
     seed: int = 0
 
     def __post_init__(self):
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if (problem := sampling_problem(self.max_tokens, self.temperature, self.top_p)) is not None:
+            raise ValueError(problem)
 
 
 EXPERT_MODES = ("auto", "resident", "tiered")
