@@ -197,7 +197,7 @@ class SessionReader:
             (mark,) = _U32.unpack(self._take(4, f"layer {i}"))
             if mark != i:
                 raise SessionError(f"layer {i}: the record is marked layer {mark}")
-            pair = tuple(self._blob(f"layer {i} {which}") for which in "KV")
+            pair = (self._blob(f"layer {i} K"), self._blob(f"layer {i} V"))
             self.next_layer += 1
             yield pair
         if self.left:

@@ -190,13 +190,13 @@ def decode_msg(data: bytes) -> Msg:
         if not eq:
             raise WireError(f"a header line without '=': \"{line}\"")
         fields[key] = value
-    return Msg(fields, body)
+    return Msg(tuple(fields.items()), body)
 
 
 # ---- KV layers -----------------------------------------------------------------------
 
 
-def layer_checksum(data: bytes) -> int:
+def layer_checksum(data: bytes | memoryview) -> int:
     """The wrapping (mod 2**64) sum of `data` read as little-endian u64 words, a short
     last word padded with zero bytes."""
     view = memoryview(data).cast("B")

@@ -202,7 +202,7 @@ class ExpertState:
     hits: bytes
     seq: int
     entropy: tuple[float, ...]
-    tiers: tuple[int, int, int] = ()  # experts on the device, in RAM, on disk
+    tiers: tuple[int, int, int] | tuple[()] = ()  # experts on the device, in RAM, on disk
     repin: tuple[tuple[int, int, int, int], ...] = ()  # recent: layer, expert, old tier, device
     hit_rate: float | None = None  # pool hits / lookups since start (None: never looked up)
     prefetch_recall: float | None = None  # see ExpertTiers

@@ -5,21 +5,35 @@ for all four engines."""
 
 from __future__ import annotations
 
-from .api import Completion, Health, TokenEvent, TurnStats
-from .errors import Cancelled
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, Any
+
+from .api import Completion, EngineStatistics, FinishEvent, Health, StartupReport, TokenEvent, TurnStats
+from .errors import Cancelled, EngineClosed
+
+if TYPE_CHECKING:
+    from .engine_api import Events
 
 
 class Collected:
+    if TYPE_CHECKING:  # what each engine writes itself
+        def stream(self, *args: Any, **kwargs: Any) -> AbstractAsyncContextManager[Events]: ...
+        def render_chat(self, messages: list[dict]) -> str: ...
+        def statistics(self) -> EngineStatistics: ...
+        def startup(self) -> StartupReport | None: ...
+
     async def complete(self, prompt, **kwargs) -> Completion:
         """The same as stream(), collected. A request cancelled meanwhile raises Cancelled.
         Token ids are there when the engine reports them (not over the mux wire)."""
         async with self.stream(prompt, **kwargs) as events:
             tokens = [e async for e in events if isinstance(e, TokenEvent)]
-        stats = events.finish.stats
+        finish = finished(events)
+        stats = finish.stats
         if stats.finish_reason == "cancelled":
             raise Cancelled(events.request_id)
-        text = "".join(t.text for t in tokens) + events.finish.text_tail
-        ids = tuple(t.token_id for t in tokens) if all(t.token_id is not None for t in tokens) else ()
+        text = "".join(t.text for t in tokens) + finish.text_tail
+        ids = tuple(t.token_id for t in tokens if t.token_id is not None)
+        ids = ids if len(ids) == len(tokens) else ()  # all or none: a mux engine reports none
         return Completion(text, ids, stats, tuple(tokens))
 
     async def chat(self, messages: list[dict], **kwargs) -> Completion:
@@ -39,6 +53,15 @@ class Collected:
                                prefill_only=True) as events:
             async for _ in events:
                 pass
-        if events.finish.stats.finish_reason == "cancelled":
+        stats = finished(events).stats
+        if stats.finish_reason == "cancelled":
             raise Cancelled(events.request_id)
-        return events.finish.stats
+        return stats
+
+
+def finished(events: Events) -> FinishEvent:
+    """A stream's finish, once read to its end; EngineClosed for one that ended without
+    (the engine went away)."""
+    if events.finish is None:
+        raise EngineClosed()
+    return events.finish

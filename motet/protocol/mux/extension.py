@@ -168,10 +168,11 @@ class ExtendedResponseDecoder(ResponseDecoder):
         if kind == "WARMUP":
             if len(args) != 6:
                 raise ValueError("WARMUP takes three durations and three counts")
-            seconds = [float(a) for a in args[:3]]
-            if not all(math.isfinite(x) and x >= 0 for x in seconds):
+            ready_s, load_s, warmup_s = (float(a) for a in args[:3])
+            if not all(math.isfinite(x) and x >= 0 for x in (ready_s, load_s, warmup_s)):
                 raise ValueError("WARMUP durations are seconds, finite and not negative")
-            return Warmup(*seconds, *(_u64(a, "count") for a in args[3:]))
+            shapes, compiled, from_cache = (_u64(a, "count") for a in args[3:])
+            return Warmup(ready_s, load_s, warmup_s, shapes, compiled, from_cache)
         if kind == "ERROR" and args[1:2] == ["SESSION_REFUSED"]:
             # The reason is free text (UTF-8): the rest of the line after the code, as written.
             reason = b"".join(line.split(None, 3)[3:]).strip()

@@ -114,7 +114,7 @@ class ResponseDecoder:
 
     def feed(self, data: bytes) -> list:
         self.lines.feed(data)
-        events = []
+        events: list = []
         while True:
             event = self._next()
             if event is None:
