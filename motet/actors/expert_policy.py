@@ -15,21 +15,23 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 
 from ..model.expert_pool import Placement
+from ..runtime.config import ExpertPolicyKind
 
 log = logging.getLogger(__name__)
 
 HEAT_FORMAT = "motet-heat"
 HEAT_VERSION = 1
-POLICIES = ("heat", "lru")
+POLICIES = get_args(ExpertPolicyKind)
 
 
 @dataclass(frozen=True)
 class PolicySettings:
-    kind: str = "heat"  # "heat": pinned hot set + rank; "lru": least recently used only
+    kind: ExpertPolicyKind = "heat"  # "heat": pinned hot set + rank; "lru": least recently used only
     decay: float = 0.97  # per step; a half-life of about 23 steps
     hysteresis: float = 0.5  # a pinned expert stays unless a challenger is 1.5x hotter
     # Of the pool's slots (at most C - k); the rest float, least recently used first out.

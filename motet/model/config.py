@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Literal
 
 from .errors import UnsupportedModelError
 
@@ -36,8 +37,8 @@ class ModelConfig:
     rms_eps: float
     max_context: int
     tie_embeddings: bool
-    # "none" | "head" (RMSNorm over each head, Qwen3) | "full" (over the whole projection, OLMoE)
-    qk_norm: str = "none"
+    # none, head (RMSNorm over each head, Qwen3), full (over the whole projection, OLMoE)
+    qk_norm: Literal["none", "head", "full"] = "none"
     n_experts: int = 0
     n_experts_per_tok: int = 0
     moe_intermediate_size: int = 0

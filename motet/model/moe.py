@@ -11,6 +11,7 @@ routed to its own experts and skips the rest; a psum over (ep, tp) adds the shar
 from __future__ import annotations
 
 from functools import partial
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,8 @@ from .config import ModelConfig
 from .quant import QTensor, as_float_stack, ffi_operands, matmul, matmul_stacked
 from .sharding import EP, TP
 
-MOE_IMPLS = ("auto", "grouped", "ragged")
+MoeImpl = Literal["auto", "grouped", "ragged"]
+MOE_IMPLS = get_args(MoeImpl)
 
 
 def route(cfg: ModelConfig, router: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 from .api import sampling_problem
 
@@ -12,22 +13,28 @@ from .api import sampling_problem
 DEFAULT_COMPILE_CACHE = Path.home() / ".cache" / "motet" / "jax"
 
 
+# auto: quantized weights as the file holds them; float32 / bfloat16 dequantize;
+# int8 / int4 (--quantize): auto, with the file's float tensors quantized at load
+WeightFormat = Literal["auto", "float32", "bfloat16", "int8", "int4"]
+# the KV cache's element type; auto: float16 under quantized weights, else the weights'
+KVDtype = Literal["auto", "float32", "float16", "bfloat16"]
+ExpertMode = Literal["auto", "resident", "tiered"]
+ExpertPolicyKind = Literal["heat", "lru"]  # actors/expert_policy.py
+
+
 @dataclass(frozen=True)
 class ModelSettings:
     path: Path | None = None  # None: the embedded default model
-    # auto: quantized weights as the file holds them; float32 / bfloat16 dequantize;
-    # int8 / int4 (--quantize): auto, with the file's float tensors quantized at load
-    dtype: str = "auto"
+    dtype: WeightFormat = "auto"
     max_context: int | None = None  # None: the model's own
     compile_cache: Path | None = None  # JAX's persistent compilation cache
     mesh: str | None = None  # shard over devices, "ep=2,tp=2" (docs/scaling.md); None: one device
-    # the KV cache's element type; auto: float16 under quantized weights, else the weights'
-    kv_dtype: str = "auto"
+    kv_dtype: KVDtype = "auto"
 
     def __post_init__(self):
-        if self.dtype not in ("auto", "float32", "bfloat16", "int8", "int4"):
+        if self.dtype not in get_args(WeightFormat):
             raise ValueError(f"dtype must be auto, float32, bfloat16, int8 or int4, got {self.dtype!r}")
-        if self.kv_dtype not in ("auto", "float32", "float16", "bfloat16"):
+        if self.kv_dtype not in get_args(KVDtype):
             raise ValueError(f"kv_dtype must be auto, float32, float16 or bfloat16, got {self.kv_dtype!r}")
         if self.max_context is not None and self.max_context < 16:
             raise ValueError(f"max_context must be at least 16, got {self.max_context}")
@@ -45,7 +52,7 @@ class SamplingSettings:
             raise ValueError(problem)
 
 
-EXPERT_MODES = ("auto", "resident", "tiered")
+EXPERT_MODES = get_args(ExpertMode)
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,7 @@ class ExpertSettings:
     tiered: a pool of experts per layer on the device, the rest in host RAM (up to
     ram_gb; None: no limit) and on disk (read from the mmapped model file)."""
 
-    mode: str = "auto"
+    mode: ExpertMode = "auto"
     device_experts_per_layer: int | None = None  # None or 0: no limit
     device_gb: float | None = None  # the device budget for weights (shared + expert pools)
     ram_gb: float | None = None  # host RAM for experts off the device; None: no limit
@@ -63,7 +70,7 @@ class ExpertSettings:
     # model's folder is read-only), nowhere in resident mode.
     heat_file: Path | None = None
     heat_cache_dir: Path = Path.home() / ".cache" / "motet" / "heat"
-    policy: str = "heat"  # "heat" or "lru"
+    policy: ExpertPolicyKind = "heat"
     prefetch: bool = True
 
     def __post_init__(self):

@@ -20,6 +20,7 @@ import math
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import trio
 
@@ -47,7 +48,7 @@ ROLES = {"mono": K_GEN, "prefill": K_PREFILL, "decode": K_DECODE}  # the one kin
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    role: str
+    role: Literal["mono", "prefill", "decode"]  # ROLES
     listen: str  # HOST:PORT; port 0 picks a free one
     request_wait: float = wire.REQUEST_WAIT_S  # the longest wait on a peer's answer
     prefill: str | None = None  # decode: the prefill worker a request names none
