@@ -285,7 +285,7 @@ async def soak(engine, settings, *, requests: int, concurrency: int, seed: int =
 
 
 async def run_target(target: str, args) -> dict:
-    from motet.http.serve import open_engine
+    from motet.cli.compose import open_engine
     from motet.http.settings import ServeSettings
 
     common = dict(port=0, kv_slots=args.kv_slots, max_context=args.max_context, queue_limit=64,

@@ -12,8 +12,8 @@ import trio
 from conftest import GOLDEN, REPO
 from test_http import MUX_CMD, TIMEOUT
 
+from motet.cli.compose import open_engine
 from motet.engines.engine import Engine
-from motet.http.serve import open_engine
 from motet.http.settings import ServeSettings
 
 sys.path.insert(0, str(REPO / "benchmarks"))
