@@ -25,7 +25,6 @@ import trio
 import trio.testing
 from conftest import MUX_COMMAND
 
-from motet.actors.policy import common_prefix
 from motet.engines.engine import Engine
 from motet.engines.mux_engine import MuxEngine
 from motet.runtime.api import FinishEvent, Telemetry, TokenEvent
@@ -40,6 +39,7 @@ from motet.runtime.errors import (
     QueueFull,
     SlotBusy,
 )
+from motet.runtime.slot_table import common_prefix
 
 # The tiny llama checkpoint (vocab 512, context 512): for tests that need *a* model.
 TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16)

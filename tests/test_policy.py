@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from motet.actors.policy import SlotView, StopMatcher, choose_slot, common_prefix, reusable_prefix
+from motet.actors.policy import StopMatcher
+from motet.runtime.slot_table import SlotView, choose_slot, common_prefix, reusable_prefix
 
 # ---- common_prefix / reusable_prefix ---------------------------------------------------
 

@@ -18,9 +18,9 @@ from conftest import GOLDEN, MUX_COMMAND
 from motet.engines.engine import Engine
 from motet.engines.split import SplitEngine
 from motet.engines.split_children import open_split_engines
-from motet.engines.split_slots import SlotTable
 from motet.runtime.api import SplitStatistics
 from motet.runtime.errors import BadRequest, Cancelled, QueueFull, SlotBusy
+from motet.runtime.slot_table import SlotTable
 from motet.runtime.split_settings import SplitConfigError, SplitSettings
 
 TIMEOUT = 240  # seconds

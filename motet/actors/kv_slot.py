@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import trio
 
 from ..runtime.actor import open_inbox
-from .policy import SlotView, reusable_prefix
+from ..runtime.slot_table import SlotView, reusable_prefix
 
 
 @dataclass(frozen=True)

@@ -1,48 +1,12 @@
 """Scheduling policy: plain synchronous decisions, no Trio and no JAX, so it is tested
-exhaustively on its own. The actors around it only move messages; the runner computes."""
+exhaustively on its own. The actors around it only move messages; the runner computes.
+Which slot a request gets is runtime/slot_table.py's (every engine shares it)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from ..runtime.errors import BadRequest, ContextExceeded, DuplicateId, EmptyPrompt, EngineClosed, EngineError, SlotBusy
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-@dataclass(frozen=True)
-class SlotView:
-    """What the scheduler knows of a slot when it picks one."""
-
-    index: int
-    busy: bool
-    history: tuple[int, ...]
-    last_used: int  # a counter: larger is more recent
-
-
-def reusable_prefix(history: Sequence[int], prompt: Sequence[int]) -> int:
-    """Prompt tokens whose KV a slot can keep. At least the last prompt token is always
-    run again, since its logits pick the first new token."""
-    return max(0, min(common_prefix(history, prompt), len(prompt) - 1))
-
-
-def choose_slot(slots: Sequence[SlotView], prompt: Sequence[int]) -> int | None:
-    """The idle slot whose history shares the longest prefix with the prompt, else the
-    least recently used idle slot; None when every slot is busy."""
-    idle = [s for s in slots if not s.busy]
-    if not idle:
-        return None
-    best = max(idle, key=lambda s: (reusable_prefix(s.history, prompt), -s.last_used))
-    if reusable_prefix(best.history, prompt) > 0:
-        return best.index
-    return min(idle, key=lambda s: s.last_used).index
 
 
 class StopMatcher:

@@ -32,10 +32,11 @@ from ..runtime.errors import (
     QueueFull,
 )
 from ..runtime.experts import turn_entropy, turn_perf
+from ..runtime.slot_table import choose_slot
 from .active_request import Active, add_routing, tell
 from .expert_cache import ExpertCache, TurnEnded
 from .kv_slot import Claim, Extend, KVSlot, Probe, Release
-from .policy import StopMatcher, choose_slot, refusal
+from .policy import StopMatcher, refusal
 from .runner import ExpertStep, ModelRunner
 from .scheduler_messages import Accepted, Cancel, Drain, StopNow, Submit, Subscribe, refuse_queued
 from .slot_io import FreeSlot, HoldSlot, ReadLayers, WriteLayers

@@ -36,12 +36,12 @@ from pathlib import Path
 
 import trio
 
-from ..actors.policy import SlotView, choose_slot
 from ..protocol import mux
 from ..runtime.api import EngineStatistics, ExpertState, GenerationRequest, SlotFile, StartupReport
 from ..runtime.collect import Collected
 from ..runtime.errors import BadRequest, EngineClosed, NotFound, QueueFull
 from ..runtime.service import Service
+from ..runtime.slot_table import SlotView, choose_slot
 from .chat_files import ChatFiles
 from .mux_report import ChildReport
 from .mux_stream import EngineExited, EngineStartError, MuxStream, SlotCommand, check_wire_prompt, wire_request_id

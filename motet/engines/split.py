@@ -41,8 +41,8 @@ from ..runtime.api import EngineStatistics, ExpertState, Handover, Health, Split
 from ..runtime.collect import Collected
 from ..runtime.errors import DuplicateId, EngineClosed, NotFound
 from ..runtime.service import Service
+from ..runtime.slot_table import SlotTable
 from ..runtime.split_settings import SplitSettings
-from .split_slots import SlotTable
 from .split_state import HandoverCounts, HandoverFailed, OpenEngine, Role, SplitRequest, SplitStream, SplitUnavailable
 
 log = logging.getLogger(__name__)  # "motet.engines.split"

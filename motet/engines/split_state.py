@@ -12,7 +12,7 @@ import trio
 
 from ..runtime.api import Handover, TokenEvent
 from ..runtime.errors import Cancelled, EngineUnavailable
-from .split_slots import SlotTable
+from ..runtime.slot_table import SlotTable
 
 OpenEngine = Callable[[], AbstractAsyncContextManager]
 

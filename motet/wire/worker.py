@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -31,6 +30,7 @@ from ..runtime.addresses import format_address, parse_address
 from ..runtime.api import GenerationRequest
 from ..runtime.engine_api import InProcessEngineAPI
 from ..runtime.errors import BadRequest, ContextExceeded, EmptyPrompt, EngineError
+from ..runtime.slot_table import SlotTable
 from .frame_io import (
     HANDOVER_ERRORS,
     FrameStream,
@@ -102,24 +102,6 @@ class Sampling:
         return {k: str(v) for k, v in self.kwargs().items() if v is not None}
 
 
-class SlotPool:
-    """The engine's KV slots, one per request in flight; a request finding none free
-    waits for one."""
-
-    def __init__(self, slots: int):
-        self._put, self._take = trio.open_memory_channel(slots)
-        for slot in range(slots):
-            self._put.send_nowait(slot)
-
-    @asynccontextmanager
-    async def take(self):
-        slot = await self._take.receive()
-        try:
-            yield slot
-        finally:
-            self._put.send_nowait(slot)
-
-
 def ms_since(started: float) -> int:
     return round((time.perf_counter() - started) * 1000)
 
@@ -129,7 +111,7 @@ class Worker:
         self.engine = engine
         self.settings = settings
         self.header: SessionHeader = engine.session_header
-        self.slots = SlotPool(engine.kv_slots)
+        self.slots = SlotTable(engine.kv_slots)  # a request waits here for a free slot
         self.kind = ROLES[settings.role]
         self.handle = {"mono": self.generate, "prefill": self.prefill, "decode": self.decode}[settings.role]
 
@@ -187,7 +169,7 @@ class Worker:
             raise BadRequest(why)  # refused before any work: a peer that could not use the KV
         prompt = self.engine.encode(msg.body)
         fields = facts(self.header) | {"tokens": len(prompt)}
-        async with self.slots.take() as slot:
+        async with self.slots.holding(prompt) as slot:
             done = await self.engine.complete(prompt, slot=slot, **sampling.kwargs())
             fields["prefill_ms"] = ms_since(started)
             if not done.token_ids:  # the turn ended at its first token: no KV worth moving
@@ -219,7 +201,7 @@ class Worker:
             raise EmptyPrompt()
         if len(prompt) >= self.header.max_context:
             raise ContextExceeded(len(prompt), self.header.max_context)
-        async with self.slots.take() as slot:
+        async with self.slots.holding(prompt) as slot:
             handover, why = None, "no prefill worker was named"
             if peer is not None:
                 with trio.move_on_after(self.settings.request_wait) as waited:

@@ -1,25 +1,63 @@
-"""The split's view of the decode engine's KV slots: what each holds (token ids), which
-are busy, and the requests waiting for one, first come first served. SplitEngine
-chooses slots itself (so it knows how many new tokens the decode engine would read)
-with the engine's own policy."""
+"""Which KV slot a request gets, one rule for every engine: the idle slot whose history
+shares the longest prefix with the prompt, else the least recently used idle one
+(choose_slot). SlotTable keeps an engine's slots by that rule from outside it (the
+split, the TCP worker): which are taken, what each holds as far as the holder knows,
+and the requests waiting for one, first come first served."""
 
 from __future__ import annotations
 
 import itertools
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import trio
 
-from ..actors.policy import SlotView, choose_slot, reusable_prefix
-from ..runtime.errors import BadRequest, QueueFull, SlotBusy
+from .errors import BadRequest, QueueFull, SlotBusy
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """What the scheduler knows of a slot when it picks one."""
+
+    index: int
+    busy: bool
+    history: tuple[int, ...]
+    last_used: int  # a counter: larger is more recent
+
+
+def reusable_prefix(history: Sequence[int], prompt: Sequence[int]) -> int:
+    """Prompt tokens whose KV a slot can keep. At least the last prompt token is always
+    run again, since its logits pick the first new token."""
+    return max(0, min(common_prefix(history, prompt), len(prompt) - 1))
+
+
+def choose_slot(slots: Sequence[SlotView], prompt: Sequence[int]) -> int | None:
+    """The idle slot whose history shares the longest prefix with the prompt, else the
+    least recently used idle slot; None when every slot is busy."""
+    idle = [s for s in slots if not s.busy]
+    if not idle:
+        return None
+    best = max(idle, key=lambda s: (reusable_prefix(s.history, prompt), -s.last_used))
+    if reusable_prefix(best.history, prompt) > 0:
+        return best.index
+    return min(idle, key=lambda s: s.last_used).index
 
 
 class _Waiter:
     def __init__(self, ids: Sequence[int]):
         self.ids = ids
-        self.slot: int | None = None
+        self.slot = -1  # set just before granted is
         self.granted = trio.Event()
 
 
@@ -67,7 +105,7 @@ class SlotTable:
         try:
             await waiter.granted.wait()
         except BaseException:
-            if waiter.slot is None:
+            if not waiter.granted.is_set():
                 self._queue.remove(waiter)
             else:  # granted as it was cancelled: pass it on
                 self.give_back(waiter.slot)
@@ -88,3 +126,12 @@ class SlotTable:
 
     def reusable(self, slot: int, ids: Sequence[int]) -> int:
         return reusable_prefix(self.histories[slot], ids)
+
+    @asynccontextmanager
+    async def holding(self, ids: Sequence[int], slot: int | None = None) -> AsyncIterator[int]:
+        """take() for the length of a block; given back (as it was) when it ends."""
+        slot = await self.take(ids, slot)
+        try:
+            yield slot
+        finally:
+            self.give_back(slot)
