@@ -84,22 +84,15 @@ class LegacyDecoder(RequestReader):
             problem = None
         except ValueError as exc:
             fields, problem = None, str(exc)
-        self.pending = (n, fields, problem)  # the size is known: the payload is consumed
-        return self._payload()
+        # the size is known: the payload is consumed, good fields or not
+        return self._expect(n, lambda body: _prompt(body, fields, problem), BadFrame())
 
-    def _payload(self):
-        n, fields, problem = self.pending
-        body = self.lines.take(n + 1)
-        if body is None:
-            return None
-        self.pending = None
-        if body[-1:] != b"\n":
-            self.closed = True
-            return BadFrame()
-        if problem is not None:
-            return Malformed(0, f"PROMPT: {problem}")
-        max_tokens, temperature, top_p, slot = fields
-        return RawPrompt(body[:-1], max_tokens, temperature, top_p, slot)
+
+def _prompt(body: bytes, fields, problem: str | None):
+    if problem is not None:
+        return Malformed(0, f"PROMPT: {problem}")
+    max_tokens, temperature, top_p, slot = fields
+    return RawPrompt(body, max_tokens, temperature, top_p, slot)
 
 
 def encode_prompt(p: RawPrompt) -> bytes:

@@ -91,7 +91,7 @@ class RequestReader:
 
     def __init__(self):
         self.lines = LineBuffer()
-        self.pending: tuple | None = None  # a header waiting for its payload
+        self.pending: tuple | None = None  # a header waiting for its payload: (n, make, bad)
         self.closed = False
 
     def feed(self, data: bytes) -> list:
@@ -108,6 +108,24 @@ class RequestReader:
 
     def _next(self):
         raise NotImplementedError
+
+    def _expect(self, n: int, make, bad):
+        """n payload bytes and a `\\n` follow: `make(payload)` is the event they give;
+        without the `\\n` the frame is out of step, `bad` is the event and the stream
+        closes."""
+        self.pending = (n, make, bad)
+        return self._payload()
+
+    def _payload(self):
+        n, make, bad = self.pending
+        body = self.lines.take(n + 1)
+        if body is None:
+            return None
+        self.pending = None
+        if body[-1:] != b"\n":
+            self.closed = True
+            return bad
+        return make(body[:-1])
 
 
 class RequestDecoder(RequestReader):
@@ -158,14 +176,14 @@ class RequestDecoder(RequestReader):
             fields = (int(args[1]), int(args[3]), float(args[4]), float(args[5]))
         except ValueError as exc:
             problem = str(exc)
-            return self._expect(rid, n + (grammar or 0), lambda body: Malformed(rid, problem))
+            return self._expect(n + (grammar or 0), lambda body: Malformed(rid, problem), BadFrame(rid))
 
         def submit(body: bytes) -> Submit:
             slot, max_tokens, temperature, top_p = fields
             return Submit(rid, slot, max_tokens, temperature, top_p, body[:n],
                           body[n:] if grammar is not None else None)
 
-        return self._expect(rid, n + (grammar or 0), submit)
+        return self._expect(n + (grammar or 0), submit, BadFrame(rid))
 
     def _slot_header(self, kind: str, args: list[str]):
         """SAVE, RESTORE, PREFILL: `<id> <slot> <bytes>`, then that many bytes and `\\n`."""
@@ -177,23 +195,7 @@ class RequestDecoder(RequestReader):
             raise ValueError("payload size out of range")
         make, slot = _SLOT_PAYLOADS[kind], args[1]
         # The size is known, so the payload is consumed even when the slot is bad.
-        return self._expect(rid, n, lambda body: _slot_event(rid, slot, lambda i: make(rid, i, body)))
-
-    def _expect(self, rid: int, n: int, make):
-        """n payload bytes and a `\\n` follow; `make(payload)` is the event they give."""
-        self.pending = (rid, n, make)
-        return self._payload()
-
-    def _payload(self):
-        rid, n, make = self.pending
-        body = self.lines.take(n + 1)
-        if body is None:
-            return None
-        self.pending = None
-        if body[-1:] != b"\n":
-            self.closed = True
-            return BadFrame(rid)
-        return make(body[:-1])
+        return self._expect(n, lambda body: _slot_event(rid, slot, lambda i: make(rid, i, body)), BadFrame(rid))
 
 
 def _slot_event(rid: int, slot_text: str, make):
