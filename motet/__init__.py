@@ -2,7 +2,8 @@
 
     from motet import Engine
     async with Engine() as engine:          # the default model
-        print((await engine.chat([{"role": "user", "content": "Hi"}])).text)
+        answer = await engine.chat([{"role": "user", "content": "Hi"}])
+    answer.text                             # the reply; answer.stats: its figures
 
 The engines and errors are imported on first use, so `import motet.model` (the pure JAX
 layer) does not start Trio or the actors.
