@@ -286,7 +286,7 @@ async def test_mux_engine_saves_restores_erases_and_prefills(tmp_path):
             assert (saved.slot, saved.bytes) == (0, path.stat().st_size) and saved.tokens > 0
             restored = await engine.restore_slot(1, path)
             assert (restored.slot, restored.tokens) == (1, saved.tokens)
-            assert engine._slots[1][0] == ""  # its text is unknown here: no prefix to offer
+            assert engine._slots.histories[1] == ""  # its text is unknown here: no prefix to offer
             again = await engine.complete("Once upon a time" + once.text + " again", max_tokens=4, slot=1)
             assert again.stats.reused_tokens > 0
             assert await engine.erase_slot(1) > saved.tokens

@@ -20,7 +20,7 @@ from motet.engines.split import SplitEngine
 from motet.engines.split_children import open_split_engines
 from motet.runtime.api import SplitStatistics
 from motet.runtime.errors import BadRequest, Cancelled, QueueFull, SlotBusy
-from motet.runtime.slot_table import SlotTable
+from motet.runtime.slot_table import SlotQueue
 from motet.runtime.split_settings import SplitConfigError, SplitSettings
 
 TIMEOUT = 240  # seconds
@@ -146,9 +146,9 @@ def test_statistics_map_to_prometheus_names():
 # ---- the slot table ------------------------------------------------------------------
 
 
-async def test_slot_table_chooses_as_the_scheduler_and_queues_in_order():
+async def test_slot_queue_chooses_as_the_scheduler_and_queues_in_order():
     with trio.fail_after(10):
-        table = SlotTable(2, queue_limit=1)
+        table = SlotQueue(2, queue_limit=1)
         a = await table.take((1, 2, 3))
         table.give_back(a, (1, 2, 3, 4))
         assert await table.take((1, 2, 3, 9)) == a  # the longest shared prefix
@@ -176,7 +176,7 @@ async def test_slot_table_chooses_as_the_scheduler_and_queues_in_order():
 
 async def test_a_cancelled_waiter_leaves_the_queue():
     with trio.fail_after(10):
-        table = SlotTable(1, queue_limit=1)
+        table = SlotQueue(1, queue_limit=1)
         slot = await table.take((1,))
         got = []
         first = trio.CancelScope()

@@ -1,6 +1,7 @@
 """KVSlot: one conversation's KV region. It knows which tokens' KV is resident, and on
 a new request keeps the longest common prefix and hands back only the rest to prefill
-(truncate-and-extend)."""
+(truncate-and-extend). Whose it is, and when it was last used, is the scheduler's slot
+table's to say (runtime/slot_table.py)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,11 @@ from dataclasses import dataclass
 import trio
 
 from ..runtime.actor import open_inbox
-from ..runtime.slot_table import SlotView, reusable_prefix
-
-
-@dataclass(frozen=True)
-class Probe:
-    reply: trio.MemorySendChannel  # gets a SlotView
+from ..runtime.slot_table import reusable_prefix
 
 
 @dataclass(frozen=True)
 class Claim:
-    request_id: int
     prompt: tuple[int, ...]
     reply: trio.MemorySendChannel  # gets the number of reused prompt tokens
 
@@ -36,8 +31,7 @@ class SetHistory:
 
 @dataclass(frozen=True)
 class Release:
-    request_id: int
-    stamp: int  # the scheduler's clock: larger is more recent
+    reply: trio.MemorySendChannel  # gets the history it holds now
 
 
 class KVSlot:
@@ -45,23 +39,12 @@ class KVSlot:
         self.index = index
         self.inbox = open_inbox()
         self.history: tuple[int, ...] = ()
-        self.owner: int | None = None
-        self.last_used = -1
-
-    def view(self) -> SlotView:
-        return SlotView(self.index, self.owner is not None, self.history, self.last_used)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
         task_status.started()
         async for msg in self.inbox.receive:
             match msg:
-                case Probe(reply):
-                    reply.send_nowait(self.view())
-                case Claim(request_id, prompt, reply):
-                    if self.owner is not None:
-                        reply.send_nowait(None)
-                        continue
-                    self.owner = request_id
+                case Claim(prompt, reply):
                     keep = reusable_prefix(self.history, prompt)
                     self.history = self.history[:keep]
                     reply.send_nowait(keep)
@@ -69,7 +52,5 @@ class KVSlot:
                     self.history += tokens
                 case SetHistory(tokens):
                     self.history = tokens
-                case Release(request_id, stamp):
-                    if self.owner == request_id:
-                        self.owner = None
-                        self.last_used = stamp
+                case Release(reply):
+                    reply.send_nowait(self.history)

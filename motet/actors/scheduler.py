@@ -32,15 +32,15 @@ from ..runtime.errors import (
     QueueFull,
 )
 from ..runtime.experts import turn_entropy, turn_perf
-from ..runtime.slot_table import choose_slot
+from ..runtime.slot_table import SlotTable
 from .active_request import Active, add_routing, tell
 from .expert_cache import ExpertCache, TurnEnded
-from .kv_slot import Claim, Extend, KVSlot, Probe, Release
+from .kv_slot import Claim, Extend, KVSlot, Release
 from .policy import StopMatcher, refusal
 from .runner import ExpertStep, ModelRunner
 from .scheduler_messages import Accepted, Cancel, Drain, StopNow, Submit, Subscribe, refuse_queued
 from .slot_io import FreeSlot, HoldSlot, ReadLayers, WriteLayers
-from .slot_transfers import SlotTransfers
+from .slot_transfers import SlotTransfers, Transfer
 from .step_rows import DecodeInFlight, Sampled, next_step_rows
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,9 @@ class Scheduler:
         self.tokenizer = runner.model.tokenizer
         self.eos = self.tokenizer.eos_ids
         self.slots = slots
-        self.queue_limit = queue_limit
+        # whose each slot is (a request's Submit, or a transfer), what each free one holds,
+        # and the requests waiting for one, admitted in order as slots free up
+        self.table: SlotTable[Submit | Transfer] = SlotTable(len(slots), queue_limit)
         self.max_context = runner.geo.max_context
         cfg = runner.model.config
         self.expert_zeros = np.zeros((sum(cfg.moe_layers), cfg.n_experts), np.int64)
@@ -62,15 +64,13 @@ class Scheduler:
         self.chunk = runner.geo.chunk
         self.inbox = open_inbox()
         self.active: dict[int, Active] = {}
-        self.waiting: deque[Submit] = deque()  # admitted in order as slots free up
         self.prefilling: deque[int] = deque()
         self.decoding: list[int] = []
-        self.clock = 0
         self.telemetry_subscribers: list[trio.MemorySendChannel] = []
         self.limiter = trio.CapacityLimiter(1)  # the one thread that touches the device
         self.closing = False
         self.drained: list[trio.MemorySendChannel] = []
-        self.transfers = SlotTransfers(slots, runner, self.limiter)  # slots held for a KV transfer
+        self.transfers = SlotTransfers(slots, self.table, runner, self.limiter)
         # a decode step dispatched and not yet read back: its rows and the runner's handle
         self.ahead: tuple[list[Active], DecodeInFlight] | None = None
 
@@ -96,11 +96,11 @@ class Scheduler:
             refuse_queued(self.inbox.receive)
             for act in self.active.values():
                 act.submit.events.close()
-            for sub in self.waiting:
+            for sub in self._queued():
                 sub.events.close()
 
     def _notify_drained(self):
-        if self.closing and not self.active and not self.waiting:
+        if self.closing and not self.active and not self.table.queue:
             for reply in self.drained:
                 reply.send_nowait(None)
             self.drained.clear()
@@ -134,55 +134,51 @@ class Scheduler:
                 if reply is not None:
                     reply.send_nowait(found)
             case HoldSlot() | ReadLayers() | WriteLayers() | FreeSlot():
-                if await self.transfers.handle(msg, self._busy):
-                    await self._admit_waiting()
+                await self._start_admitted(await self.transfers.handle(msg))
             case _:
                 raise TypeError(f"the scheduler got an unknown message {msg!r}")
 
     def statistics(self) -> EngineStatistics:
-        return EngineStatistics(len(self.active), len(self.waiting), len(self.slots), self.closing)
+        return EngineStatistics(len(self.active), len(self.table.queue), len(self.slots), self.closing)
+
+    def _queued(self) -> list[Submit]:
+        return [sub for sub, _ in self.table.queue if isinstance(sub, Submit)]
 
     def in_flight(self) -> set[int]:
-        return set(self.active) | {s.request_id for s in self.waiting}
+        return set(self.active) | {s.request_id for s in self._queued()}
 
     # ---- admission ------------------------------------------------------------------
 
     async def _submit(self, sub: Submit):
         req = sub.request
-        busy = req.slot is not None and 0 <= req.slot < len(self.slots) and self._busy(req.slot)
+        busy = req.slot is not None and self.table.held(req.slot)
         error = refusal(sub.request_id, req.slot, len(sub.prompt), closing=self.closing,
                         in_flight=self.in_flight(), max_context=self.max_context, slots=len(self.slots), busy=busy)
         if error is not None:
             tell(sub, error)
             return
         if req.slot is None:
-            slot = await self._pick_slot(sub.prompt)
-            if slot is None:
-                if len(self.waiting) >= self.queue_limit:
-                    tell(sub, QueueFull(self.queue_limit))
-                elif tell(sub, Accepted(sub.request_id)):
-                    self.waiting.append(sub)
+            try:
+                slot = self.table.take(sub, sub.prompt)
+            except QueueFull as full:
+                tell(sub, full)
+                return
+            if slot is None:  # queued
+                if not tell(sub, Accepted(sub.request_id)):
+                    self.table.withdraw(sub)
                 return
         else:
             slot = req.slot
-        if tell(sub, Accepted(sub.request_id)):  # else the caller has already gone
+            self.table.hold(slot, sub)
+        if tell(sub, Accepted(sub.request_id)):
             await self._start(sub, slot)
-
-    def _busy(self, slot: int) -> bool:
-        return slot in self.transfers.held or any(a.slot == slot for a in self.active.values())
-
-    async def _pick_slot(self, prompt) -> int | None:
-        views = []
-        for s in self.slots:
-            if not self._busy(s.index):
-                send, recv = open_reply()
-                await s.inbox.send.send(Probe(send))
-                views.append(await recv.receive())
-        return choose_slot(views, prompt)
+        else:  # the caller has already gone
+            await self._start_admitted(self.table.release(slot, sub, touch=False))
 
     async def _start(self, sub: Submit, slot: int):
+        """Start a request on the slot the table holds for it."""
         send, recv = open_reply()
-        await self.slots[slot].inbox.send.send(Claim(sub.request_id, sub.prompt, send))
+        await self.slots[slot].inbox.send.send(Claim(sub.prompt, send))
         reused = await recv.receive()
         req = sub.request
         seed = req.seed if req.seed is not None else sub.request_id
@@ -318,9 +314,9 @@ class Scheduler:
         return tell(act.submit, event)
 
     async def _cancel(self, rid: int) -> bool:
-        for sub in list(self.waiting):
+        for sub in self._queued():
             if sub.request_id == rid:
-                self.waiting.remove(sub)
+                self.table.withdraw(sub)
                 self._send_final_cancel(sub, rid)
                 return True
         if rid in self.active:
@@ -350,22 +346,22 @@ class Scheduler:
         stats, telemetry = act.turn_stats(reason, now), act.telemetry()
         self._send(act, FinishEvent(stats, tail, telemetry, self._report(stats, telemetry, act)))
         act.submit.events.close()
-        self.clock += 1
-        await self.slots[act.slot].inbox.send.send(Release(rid, self.clock))
+        send, recv = open_reply()
+        await self.slots[act.slot].inbox.send.send(Release(send))
+        admitted = self.table.release(act.slot, act.submit, await recv.receive())
         self._publish(telemetry)
         if self.experts is not None:
             try:
                 self.experts.inbox.send.send_nowait(TurnEnded())
             except trio.WouldBlock:
                 pass  # the heat is saved at a later turn's end, or at shutdown
-        await self._admit_waiting()
+        await self._start_admitted(admitted)
 
-    async def _admit_waiting(self):
-        while self.waiting:
-            slot = await self._pick_slot(self.waiting[0].prompt)
-            if slot is None:
-                return
-            await self._start(self.waiting.popleft(), slot)
+    async def _start_admitted(self, admitted: list[tuple[Submit | Transfer, int]]):
+        """Start the waiting requests a freed slot admitted (the table holds theirs)."""
+        for sub, slot in admitted:
+            assert isinstance(sub, Submit)  # transfers hold a slot at once, or are refused: they never queue
+            await self._start(sub, slot)
 
     def _report(self, stats: TurnStats, telemetry: Telemetry, act: Active) -> TurnReport:
         entropy = turn_entropy(telemetry.expert_counts, self.dense_layers)

@@ -4,54 +4,60 @@ run in the device thread."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import trio
 
-from ..runtime.actor import open_reply
-from ..runtime.errors import BadRequest, SlotBusy
-from .kv_slot import KVSlot, Probe, SetHistory
+from ..runtime.errors import BadRequest, EngineError
+from ..runtime.slot_table import SlotTable
+from .kv_slot import KVSlot, SetHistory
 from .runner import ModelRunner
+from .scheduler_messages import Submit
 from .slot_io import FreeSlot, HoldSlot, ReadLayers, WriteLayers
 
 
+class Transfer:
+    """A slot's holder while its KV is saved or installed."""
+
+
 class SlotTransfers:
-    def __init__(self, slots: list[KVSlot], runner: ModelRunner, limiter: trio.CapacityLimiter):
+    def __init__(self, slots: list[KVSlot], table: SlotTable[Submit | Transfer], runner: ModelRunner,
+                 limiter: trio.CapacityLimiter):
         self.slots = slots
+        self.table = table  # the scheduler's
         self.runner = runner
         self.limiter = limiter  # the scheduler's: the one thread that touches the device
-        self.held: set[int] = set()  # slots whose KV is being saved or installed
 
-    async def handle(self, msg: HoldSlot | ReadLayers | WriteLayers | FreeSlot, busy: Callable[[int], bool]) -> bool:
-        """Answer one transfer message; True when it freed a slot (the scheduler then
-        admits who waits). busy(slot): a request or a transfer has the slot."""
+    def _held(self, slot: int) -> bool:
+        return isinstance(self.table.holder(slot), Transfer)
+
+    async def handle(self, msg: HoldSlot | ReadLayers | WriteLayers | FreeSlot) -> list[tuple[Submit | Transfer, int]]:
+        """Answer one transfer message; returns the waiting requests a freed slot admitted
+        (each now holds its slot, and the scheduler starts it)."""
         match msg:
             case HoldSlot(slot, reply):
-                if not 0 <= slot < len(self.slots):
-                    reply.send_nowait(BadRequest(f"slot must be in [0, {len(self.slots) - 1}], got {slot}"))
-                elif busy(slot):
-                    reply.send_nowait(SlotBusy(slot))
+                try:
+                    self.table.check(slot)
+                    self.table.hold(slot, Transfer())
+                except EngineError as exc:
+                    reply.send_nowait(exc)
                 else:
-                    self.held.add(slot)
-                    probe, answer = open_reply()
-                    await self.slots[slot].inbox.send.send(Probe(probe))
-                    reply.send_nowait((await answer.receive()).history)
-            case ReadLayers(slot, layers, tokens, reply) if slot in self.held:
+                    reply.send_nowait(self.table.histories[slot])  # a free slot's table entry is current
+            case ReadLayers(slot, layers, tokens, reply) if self._held(slot):
                 read = self.runner.read_layers
                 reply.send_nowait(await self.device_io(read, slot, layers.start, len(layers), tokens))
-            case WriteLayers(slot, first, pairs, reply) if slot in self.held:
+            case WriteLayers(slot, first, pairs, reply) if self._held(slot):
                 reply.send_nowait(await self.device_io(self.runner.write_layers, slot, first, list(pairs)))
             case ReadLayers(slot, reply=reply) | WriteLayers(slot, reply=reply):
                 reply.send_nowait(BadRequest(f"slot {slot} is not held for a KV transfer"))
             case FreeSlot(slot, history, reply):
-                if slot in self.held:
+                admitted = []
+                if isinstance(transfer := self.table.holder(slot), Transfer):
                     if history is not None:
                         await self.slots[slot].inbox.send.send(SetHistory(tuple(history)))
-                    self.held.discard(slot)
+                    admitted = self.table.release(slot, transfer, history, touch=False)
                 if reply is not None:
                     reply.send_nowait(None)
-                return True
-        return False
+                return admitted
+        return []
 
     async def device_io(self, call, *args):
         """A transfer call in the device thread: its result, or the exception it raised

@@ -24,6 +24,7 @@ from ..runtime.api import FinishEvent, StepRouting, TokenEvent
 from ..runtime.engine_api import Events, InProcessEngineAPI
 from ..runtime.errors import BadRequest, ContextExceeded, DuplicateId, EngineError, NotFound, SlotBusy
 from ..runtime.experts import HITS_EVERY, ExpertMap, device_moves
+from ..runtime.slot_table import SlotTable
 from .bridge import Intake, cpu_name, rss_gb
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,8 @@ class StdioBridge:
         self.experts = ExpertMap.for_model(engine.model.config)
         self.experts.set_tiers(engine.expert_tiers())
         self.store = SlotStore(engine, settings.kv_save_dir) if settings.kv_save_dir is not None else None
-        self.slots: dict[int, int] = {}  # slot → the id of the request or command using it
+        # which request or command id uses each slot; the engine keeps what each holds
+        self.slots: SlotTable[int] = SlotTable(engine.kv_slots)
 
     async def run(self) -> None:
         """Until stdin ends (or a bad frame): then in-flight requests finish first."""
@@ -216,16 +218,16 @@ class StdioBridge:
     async def _claim(self, rid: int, slot: int) -> bool:
         """Mark the slot used by `rid` until its last line; False (and the error written)
         when the id is in flight or the slot in use."""
-        error = DuplicateId(rid) if rid in self.slots.values() else SlotBusy(slot) if slot in self.slots else None
+        in_flight = any(rid in ids for ids in self.slots.holders.values())
+        error = DuplicateId(rid) if in_flight else SlotBusy(slot) if self.slots.held(slot) else None
         if error is not None:
             await self._write(mux.encode_error(rid, error.code))
             return False
-        self.slots[slot] = rid
+        self.slots.hold(slot, rid)
         return True
 
     def _release(self, rid: int, slot: int) -> None:
-        if self.slots.get(slot) == rid:
-            del self.slots[slot]
+        self.slots.release(slot, rid, touch=False)  # the engine picks no slot here: no recency to keep
 
     async def _submit(self, sub: mux.Submit | mux.Prefill, requests: trio.Nursery):
         prefill = isinstance(sub, mux.Prefill)

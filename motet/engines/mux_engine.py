@@ -28,7 +28,6 @@ import os
 import shlex
 import subprocess
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -39,9 +38,9 @@ import trio
 from ..protocol import mux
 from ..runtime.api import EngineStatistics, ExpertState, GenerationRequest, SlotFile, StartupReport
 from ..runtime.collect import Collected
-from ..runtime.errors import BadRequest, EngineClosed, NotFound, QueueFull
+from ..runtime.errors import BadRequest, EngineClosed, NotFound
 from ..runtime.service import Service
-from ..runtime.slot_table import SlotView, choose_slot
+from ..runtime.slot_table import SlotTable
 from .chat_files import ChatFiles
 from .mux_report import ChildReport
 from .mux_stream import EngineExited, EngineStartError, MuxStream, SlotCommand, check_wire_prompt, wire_request_id
@@ -66,14 +65,12 @@ class MuxEngine(Service, Collected):
         self.command = shlex.split(command) if isinstance(command, str) else list(command)
         self.env = {**os.environ, **CHILD_ENV, "KV_SLOTS": str(kv_slots), **(env or {})}
         self.kv_slots = int(self.env["KV_SLOTS"])
-        self.queue_limit = queue_limit
         self.topk = self.env.get("SERVE_TOPK") == "1"  # then every token ends with a TOPK line
         self._chat = ChatFiles(chat_model if chat_model is not None else self.env.get("SNAP") or None)
-        # Per slot: its last turn's prompt and answer as text, and when it was last used.
-        self._slots: list[tuple[str, int]] = [("", 0)] * self.kv_slots
-        self._clock = itertools.count(1)
+        # The child's slots as seen from here: whose each is, its last turn's prompt and
+        # answer as text, and the requests waiting for one.
+        self._slots: SlotTable[MuxStream | SlotCommand] = SlotTable(self.kv_slots, queue_limit)
         self._streams: dict[int, MuxStream] = {}  # every request open here, by id
-        self._queue: deque[MuxStream] = deque()  # those waiting for a slot
         self._probes: dict[int, list[trio.Event]] = {}  # CANCEL/STOP of ids unknown here
         self._commands: dict[int, SlotCommand] = {}  # SAVE/RESTORE/ERASE awaiting their answer, by id
         self._ids = itertools.count(1)
@@ -165,7 +162,7 @@ class MuxEngine(Service, Collected):
                 self._exit_status = await self.process.wait()
         finally:  # however it ended, all that waits on the child fails now
             self._exited.set()
-            self._queue.clear()
+            self._slots.queue.clear()
             for stream in list(self._streams.values()):
                 self._end(stream, self._closed_error())
             for rid in list(self._commands):
@@ -219,36 +216,33 @@ class MuxEngine(Service, Collected):
         stream.entropy_gpus = (self._report.experts.entropy, self._report.gpus)
         # A finished, prefilled or cancelled turn leaves its KV in the slot; a refused one none.
         cancelled = isinstance(final, mux.Error) and final.code == "CANCELLED" and stream.slot is not None
-        if isinstance(final, mux.Done | mux.Prefilled) or cancelled:
-            history = stream.prompt + stream.answer.decode("utf-8", "replace")
-            self._slots[stream.slot] = (history, next(self._clock))
         self._route(stream, final)
         stream.send.close()
         stream.ended.set()
-        self._admit_queued()
+        kept = isinstance(final, mux.Done | mux.Prefilled) or cancelled  # else the KV is as it was
+        history = stream.prompt + stream.answer.decode("utf-8", "replace") if kept else None
+        self._free(stream.slot, stream, history, touch=kept)
 
     def _answer(self, rid: int, answer) -> None:
         """A slot command's answer (or the child's end): its caller wakes, its slot frees."""
         command = self._commands.pop(rid)
         command.answer = answer
-        match answer:
-            case mux.Restored():  # it holds text unknown here: no prefix to offer, used just now
-                self._slots[command.slot] = ("", next(self._clock))
-            case mux.Erased():  # empty: the first choice for a new conversation
-                self._slots[command.slot] = ("", 0)
         command.answered.set()
-        self._admit_queued()
+        if isinstance(answer, mux.Erased):  # empty: the first choice for a new conversation
+            self._slots.forget(command.slot)
+        restored = isinstance(answer, mux.Restored)  # text unknown here: no prefix to offer, used now
+        self._free(command.slot, command, "" if restored else None, touch=restored)
 
-    def _admit_queued(self) -> None:
-        while self._queue and (slot := self._pick_slot(self._queue[0].prompt)) is not None:
-            self._submit(self._queue.popleft(), slot, quiet=True)  # a dead child: the reader tells
+    def _free(self, slot: int | None, holder: MuxStream | SlotCommand, history: str | None = None,
+              touch: bool = True) -> None:
+        """The holder's slot is free (`history`: the text it holds now); who waited for one
+        is submitted. The table compares any sequences: here histories are text."""
+        if slot is not None:
+            for stream, got in self._slots.release(slot, holder, history, touch):
+                assert isinstance(stream, MuxStream)  # commands never queue
+                self._submit(stream, got, quiet=True)  # a dead child: the reader tells
 
     # ---- requests ---------------------------------------------------------------------
-
-    def _pick_slot(self, prompt: str) -> int | None:
-        busy = {s.slot for s in self._streams.values()} | {c.slot for c in self._commands.values()}
-        # The policy compares any sequences: here the histories are texts, not token ids.
-        return choose_slot([SlotView(i, i in busy, *s) for i, s in enumerate(self._slots)], prompt)
 
     def _submit(self, stream: MuxStream, slot: int, quiet: bool = False) -> None:
         r, payload = stream.request, stream.prompt.encode()
@@ -272,7 +266,7 @@ class MuxEngine(Service, Collected):
         if stream.slot is not None:
             self._send(mux.encode_cancel(stream.request_id), quiet=True)
         else:  # the child never got it: it ends here
-            self._queue.remove(stream)
+            self._slots.withdraw(stream)
             self._end(stream, mux.Error(stream.request_id, "CANCELLED"))
 
     @asynccontextmanager
@@ -292,14 +286,17 @@ class MuxEngine(Service, Collected):
             await self._wait_cancelled(slot)
         self._check_open()
         rid = self._request_id(request_id)
-        slot = slot if slot is not None else self._pick_slot(prompt)
-        if slot is None and len(self._queue) >= self.queue_limit:
-            raise QueueFull(self.queue_limit)
         events = MuxStream(self, rid, prompt, request)
-        if slot is None:
-            self._queue.append(events)  # accepted, as in Engine: it runs when a slot frees
-        else:
-            self._submit(events, slot)
+        if slot is not None:
+            self._slots.hold(slot, events, share=True)  # the child answers when it is busy
+        else:  # QueueFull; None: accepted, as in Engine, and it runs when a slot frees
+            slot = self._slots.take(events, prompt)
+        if slot is not None:
+            try:
+                self._submit(events, slot)
+            except EngineClosed:
+                self._free(slot, events, touch=False)
+                raise
         self._streams[rid] = events
         try:
             if slot is not None:
@@ -345,11 +342,14 @@ class MuxEngine(Service, Collected):
         self._check_slot(slot)
         self._check_open()
         rid = self._request_id(None)
-        command = self._commands[rid] = SlotCommand(slot)
+        command = SlotCommand(slot)
+        self._slots.hold(slot, command, share=True)  # the child answers when it is busy
+        self._commands[rid] = command
         try:
             self._send(encode(rid))
         except EngineClosed:
             del self._commands[rid]
+            self._free(slot, command, touch=False)
             raise
         await command.answered.wait()
         return command.result()
@@ -370,7 +370,7 @@ class MuxEngine(Service, Collected):
         """Requests running and waiting now, as this client sees them (a snapshot)."""
         running = sum(s.slot is not None for s in self._streams.values())
         closing = self._closing or self._exited.is_set()
-        return EngineStatistics(running, len(self._queue), self.kv_slots, closing)
+        return EngineStatistics(running, len(self._slots.queue), self.kv_slots, closing)
 
     async def cancel(self, request_id: int) -> None:
         """Cancel a request; returns once it has ended. NotFound when none has this id."""

@@ -41,7 +41,7 @@ from ..runtime.api import EngineStatistics, ExpertState, Handover, Health, Split
 from ..runtime.collect import Collected
 from ..runtime.errors import DuplicateId, EngineClosed, NotFound
 from ..runtime.service import Service
-from ..runtime.slot_table import SlotTable
+from ..runtime.slot_table import SlotQueue
 from ..runtime.split_settings import SplitSettings
 from .split_state import HandoverCounts, HandoverFailed, OpenEngine, Role, SplitRequest, SplitStream, SplitUnavailable
 
@@ -129,7 +129,7 @@ class SplitEngine(Service, Collected):
                     async with role.open() as engine:
                         role.engine, role.start_error = engine, None
                         waiting = self.queue_limit if role is self._decode else math.inf
-                        role.slots = SlotTable(engine.kv_slots, waiting)
+                        role.slots = SlotQueue(engine.kv_slots, waiting)
                         role.starts += 1
                         role.changed_now()
                         if role is self._decode:

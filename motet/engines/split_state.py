@@ -12,7 +12,7 @@ import trio
 
 from ..runtime.api import Handover, TokenEvent
 from ..runtime.errors import Cancelled, EngineUnavailable
-from ..runtime.slot_table import SlotTable
+from ..runtime.slot_table import SlotQueue
 
 OpenEngine = Callable[[], AbstractAsyncContextManager]
 
@@ -28,9 +28,6 @@ class HandoverFailed(Exception):
     """Why a handover did not happen; the decode engine reads the prompt itself."""
 
 
-OpenEngine = Callable[[], AbstractAsyncContextManager]
-
-
 @dataclass
 class Role:
     """One of the two engines: how to open it, the one running now, its slots."""
@@ -39,7 +36,7 @@ class Role:
     open: OpenEngine
     restart_every_s: float
     engine: object | None = None
-    slots: SlotTable | None = None
+    slots: SlotQueue | None = None
     starts: int = 0  # successful starts
     start_error: str | None = None
     tried: trio.Event = field(default_factory=trio.Event)  # the first start is over

@@ -30,7 +30,7 @@ from ..runtime.addresses import format_address, parse_address
 from ..runtime.api import GenerationRequest
 from ..runtime.engine_api import InProcessEngineAPI
 from ..runtime.errors import BadRequest, ContextExceeded, EmptyPrompt, EngineError
-from ..runtime.slot_table import SlotTable
+from ..runtime.slot_table import SlotQueue
 from .frame_io import (
     HANDOVER_ERRORS,
     FrameStream,
@@ -111,7 +111,7 @@ class Worker:
         self.engine = engine
         self.settings = settings
         self.header: SessionHeader = engine.session_header
-        self.slots = SlotTable(engine.kv_slots)  # a request waits here for a free slot
+        self.slots = SlotQueue(engine.kv_slots)  # a request waits here for a free slot
         self.kind = ROLES[settings.role]
         self.handle = {"mono": self.generate, "prefill": self.prefill, "decode": self.decode}[settings.role]
 
