@@ -9,7 +9,7 @@ import numpy as np
 import trio
 
 from ..model.detokenizer import IncrementalDetokenizer
-from ..runtime.api import GenerationRequest, Telemetry, TurnStats
+from ..runtime.api import FinishReason, GenerationRequest, Telemetry, TurnStats
 from ..runtime.experts import REPIN_KEPT, device_moves
 from .policy import StopMatcher
 from .runner import ExpertStep
@@ -28,6 +28,7 @@ class Active:
     stops: StopMatcher
     key: np.ndarray
     started: float
+    expert_counts: np.ndarray  # per MoE layer, per expert: the tokens routed to it
     cursor: int = 0  # prompt tokens whose KV is written
     target: int = 0  # prompt tokens to write: all, or all but the last (prefill_only)
     next_token: int | None = None  # sampled, not yet fed back
@@ -37,7 +38,6 @@ class Active:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     sample_s: float = 0.0
-    expert_counts: np.ndarray | None = None
     token_ids: list[int] = field(default_factory=list)
     pool_lookups: int = 0  # tiered experts: unique experts its steps needed
     pool_hits: int = 0  # of those, on the device already
@@ -54,8 +54,7 @@ class Active:
         return self.submit.request_id
 
     def count_experts(self, experts: np.ndarray) -> None:
-        if self.expert_counts is not None:
-            add_routing(self.expert_counts, experts)
+        add_routing(self.expert_counts, experts)
 
     def count_step(self, step: ExpertStep) -> None:
         self.pool_lookups += step.lookups
@@ -65,7 +64,7 @@ class Active:
         self.repin.extend(device_moves(step.moves))
         del self.repin[:-REPIN_KEPT]
 
-    def turn_stats(self, reason: str, now: float) -> TurnStats:
+    def turn_stats(self, reason: FinishReason, now: float) -> TurnStats:
         first = self.first_token_at or now
         decode_s = now - first
         return TurnStats(

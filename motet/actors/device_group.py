@@ -115,7 +115,7 @@ class Group:
         self._client = client  # the coordinator's key-value store (jax's DistributedRuntimeClient)
         self._next = 0  # the next frame's number
         self._lock = threading.Lock()
-        self._counts = [0, 0, 0, 0.0]
+        self._stats = ControlStatistics(0, 0, 0, 0.0)
 
     def send(self, frame: bytes) -> None:
         """Leader: publish one frame for every follower (in order; returns once stored)."""
@@ -156,11 +156,12 @@ class Group:
                     raise
 
     def _count(self, parts: int, size: int, started: float) -> None:
-        c = self._counts
-        c[0], c[1], c[2], c[3] = c[0] + 1, c[1] + parts, c[2] + size, c[3] + time.perf_counter() - started
+        s = self._stats
+        self._stats = ControlStatistics(s.frames + 1, s.parts + parts, s.bytes + size,
+                                        s.seconds + time.perf_counter() - started)
 
     def statistics(self) -> ControlStatistics:
-        return ControlStatistics(*self._counts)
+        return self._stats
 
     def stop(self) -> None:
         """Leader: tell the followers to leave (after every op sent before)."""
@@ -190,6 +191,7 @@ def join_group(settings: DistributedSettings, mesh: str | None) -> Iterator[Grou
         if settings.num_processes > 1:
             from ..model.sharding import MeshSpec
 
+            assert mesh is not None  # check_mesh refused a group without one
             size = MeshSpec.parse(mesh).size
             if size != len(jax.devices()):
                 raise ValueError(f"mesh {mesh} uses {size} devices, but the {settings.num_processes} processes "

@@ -94,7 +94,7 @@ class ExpertPolicy:
         no unpinned one is (1 + hysteresis) times hotter; cold experts are never pinned."""
         rank = self.rank()
         if self.settings.kind == "lru" or self.pins <= 0:
-            empty = (frozenset(),) * self.R
+            empty: tuple[frozenset[int], ...] = (frozenset(),) * self.R
             return Placement(empty, self._warm(rank, empty), rank)
         score = rank.copy()
         for r, incumbents in enumerate(self.pinned):

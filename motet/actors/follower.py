@@ -22,7 +22,8 @@ from .runner import MIRROR_RECORDS, ModelRunner, fingerprint
 
 log = logging.getLogger(__name__)
 
-CALLS = {
+# The arguments come decoded from a frame: each call takes its own.
+CALLS: dict[Op, Callable[..., object]] = {
     Op.PREFILL: ModelRunner.prefill,
     Op.EXTEND: ModelRunner.extend,
     Op.DECODE: ModelRunner.decode,

@@ -108,9 +108,13 @@ class LegacyBridge:
             extra = (exc.used, exc.limit) if isinstance(exc, ContextExceeded) else ()
             await self.output.send_all(legacy.encode_error(exc.code, *extra))
             return "", None
-        stats, report = events.finish.stats, events.finish.report
+        finish = events.finish
+        # The stream ends only after its FinishEvent, and a turn the engine ends itself
+        # carries its report (only a cancel from elsewhere leaves it out: none here).
+        assert finish is not None and finish.report is not None
+        stats, report = finish.stats, finish.report
         await self.output.send_all(
             legacy.encode_end(stats.emitted_tokens, stats.decode_tokens_per_s, report.hit_pct, rss_gb(),
                                 stats.prompt_tokens, stats.finish_reason == "length")
         )
-        return "".join(parts), events.finish
+        return "".join(parts), finish

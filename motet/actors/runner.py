@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -15,7 +15,7 @@ import numpy as np
 
 from ..model.attention import ATTN_BLOCK
 from ..model.compilation import compile_workers, compiling_ahead
-from ..model.expert_pool import DEVICE, ExpertPool, Placement
+from ..model.expert_pool import DEVICE, ExpertPool, ExpertReader, Placement
 from ..model.expert_source import ArrayExpertReader
 from ..model.forward import empty_carry, lower_decode, lower_decode_sampled, lower_prefill
 from ..model.generate import dispatch_decode, model_kv_sharding, prefill_slot, read_decode
@@ -63,8 +63,9 @@ class ModelRunner:
         (actors/device_group.py), where each device call goes as a frame first (START
         now, with the geometry), for the other processes to repeat (actors/follower.py)."""
         cfg = model.config
-        tiered = plan is not None and plan.mode == "tiered"
-        reader = None
+        tiered_plan = plan if plan is not None and plan.mode == "tiered" else None
+        tiered = tiered_plan is not None
+        reader: ExpertReader | None = None
         if tiered and (mirror is not None or jax.process_count() > 1):
             # the pool's moves are computations on the mesh the other processes do not repeat
             raise ValueError("tiered experts do not run in a group of processes yet: keep the experts "
@@ -79,15 +80,15 @@ class ModelRunner:
                                       for layer in experts["layers"]]}
             reader = model.expert_reader or ArrayExpertReader.from_weights(cfg, experts)
         if mesh is not None:
-            mesh = model_mesh(mesh, cfg)
+            device_mesh = model_mesh(mesh, cfg)
             placed = mesh_of(model.weights)
             if placed is None:
                 # a tiered model's experts go to the pool, not onto the mesh
                 weights = shared_model_weights(model.weights) if tiered else model.weights
-                model = replace(model, weights=place_weights(weights, cfg, mesh))
-            elif placed != mesh:
+                model = replace(model, weights=place_weights(weights, cfg, device_mesh))
+            elif placed != device_mesh:
                 raise ValueError(f"the model's weights are sharded over another mesh ({dict(placed.shape)}); "
-                                 f"load them on one device or on the same mesh ({dict(mesh.shape)})")
+                                 f"load them on one device or on the same mesh ({dict(device_mesh.shape)})")
         if tiered and mesh_of(model.weights) is not None:
             model = replace(model, weights=shared_model_weights(model.weights))  # the pool holds them
         self.model = model
@@ -108,10 +109,12 @@ class ModelRunner:
         # as ExpertMap: a dense model is one always-on expert per layer
         self.rows, self.cols = (sum(cfg.moe_layers), cfg.n_experts) if cfg.is_moe else (cfg.n_layers, 1)
         self.totals = np.zeros(5, np.int64)  # lookups, hits, guessed, right, routed
-        if tiered:
-            self.pool = ExpertPool(reader, plan.layers, plan.experts, plan.pool_slots, plan.ram_capacity,
+        if tiered_plan is not None:
+            assert reader is not None  # read above, before the experts left the weights
+            p = tiered_plan
+            self.pool = ExpertPool(reader, p.layers, p.experts, p.pool_slots, p.ram_capacity,
                                    dtype, mesh=mesh_of(model.weights))
-            self.pool.fill(np.zeros((plan.layers, plan.experts)) if rank is None else rank)
+            self.pool.fill(np.zeros((p.layers, p.experts)) if rank is None else rank)
             self.pool.take_stats()  # the start-up loads are not a step's moves
             self.tiered = TieredModel(model, self.pool, prefetch=prefetch)
         self._tiers = self._snapshot()
@@ -163,12 +166,12 @@ class ModelRunner:
         return self.tiered is None
 
     def decode(self, tokens: list[int], slots: list[int], positions: list[int],
-               rows: list[SamplingRow], chained: list[bool] = ()) -> list[Sampled]:
+               rows: list[SamplingRow], chained: Sequence[bool] = ()) -> list[Sampled]:
         """One batched step, dispatched and read back (see dispatch)."""
         return self.collect(self.dispatch(tokens, slots, positions, rows, chained))
 
     def dispatch(self, tokens: list[int], slots: list[int], positions: list[int],
-                 rows: list[SamplingRow], chained: list[bool] = ()) -> DecodeInFlight:
+                 rows: list[SamplingRow], chained: Sequence[bool] = ()) -> DecodeInFlight:
         """Start one batched step: each row feeds its token at its position in its slot,
         then samples its next token (in the step's own compiled call, but for tiered
         experts). A row with chained[i] set goes on from the last step that fed its slot:
@@ -262,6 +265,7 @@ class ModelRunner:
             pairs = self.read_layers(scratch, 0, 1, n)
             self.write_layers(scratch, 0, pairs)
         elif shape.kind == EXPERT_MOVE:
+            assert self.pool is not None  # a plan has expert moves only for a tiered pool
             self.pool.warm_move(n)
         else:
             raise ValueError(f"no warm-up for {shape}")
@@ -312,10 +316,11 @@ class ModelRunner:
                                (self.shared_bytes + expert_bytes) / 1e9, 0.0, cols, gpus=_gpus(n))
         pool = self.pool
         device, ram, disk = pool.counts()
+        lookups, hits, guessed, right, routed = (int(x) for x in self.totals)
         return ExpertTiers(
             "tiered", rows, cols, pool.tier_map().tobytes(), device, ram, disk,
             (self.shared_bytes + pool.device_bytes()) / 1e9, pool.ram_bytes() / 1e9, pool.C,
-            *(int(x) for x in self.totals), gpus=_gpus(device),
+            lookups, hits, guessed, right, routed, gpus=_gpus(device),
         )
 
 

@@ -21,6 +21,7 @@ from ..runtime.actor import open_inbox, open_reply
 from ..runtime.api import (
     EngineStatistics,
     FinishEvent,
+    FinishReason,
     StepRouting,
     Telemetry,
     TokenEvent,
@@ -328,7 +329,7 @@ class Scheduler:
         stats = TurnStats(rid, -1, "cancelled", len(sub.prompt), 0, 0, 0.0, 0.0, 0.0)
         tell(sub, FinishEvent(stats))
 
-    async def _finish(self, act: Active, reason: str, stop_matched: bool = False):
+    async def _finish(self, act: Active, reason: FinishReason, stop_matched: bool = False):
         rid = act.rid
         del self.active[rid]
         if rid in self.decoding:

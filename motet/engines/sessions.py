@@ -41,7 +41,7 @@ def session_header(model: Model, max_context: int) -> SessionHeader:
         dtype=model.kv_dtype, layers=cfg.n_layers,
         kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, k_layout=KV_LAYOUT, v_layout=KV_LAYOUT,
         max_context=max_context, rope_theta=cfg.rope_theta, rope_scaling="",
-        settings={"backend": model.backend, "weights": model.weight_format},
+        settings=(("backend", model.backend), ("weights", model.weight_format)),
     )
 
 
@@ -52,9 +52,9 @@ def _answer(value):
 
 
 @asynccontextmanager
-async def held_slot(ask: Ask, slot: int) -> AsyncIterator[tuple[int, ...]]:
-    """Hold `slot` against requests; yields its history. Leaving frees it with the history
-    unchanged unless the body called `set_history` (see SlotHold)."""
+async def held_slot(ask: Ask, slot: int) -> AsyncIterator[SlotHold]:
+    """Hold `slot` against requests; yields its SlotHold (its history, its layers). Leaving
+    frees it with the history unchanged unless the body set `new_history`."""
     hold = SlotHold(ask, slot, _answer(await ask(lambda reply: HoldSlot(slot, reply))))
     try:
         yield hold

@@ -22,6 +22,7 @@ import time
 
 import trio
 from quart import Response, request
+from quart.typing import RouteCallable
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, NotFound
 
@@ -117,8 +118,9 @@ class Server:
 
     async def http_error(self, error: HTTPException):
         """Routing and body errors (404, 405, 408, 413) in OpenAI's shape too."""
+        assert error.code is not None  # Quart hands one without a code back as it is, to no handler
         message = {413: f"the request body is larger than {self.settings.max_body_bytes} bytes",
-                   404: f"nothing at {request.path}"}.get(error.code, error.description)
+                   404: f"nothing at {request.path}"}.get(error.code, error.description or error.name)
         kind = "not_found_error" if error.code == 404 else "invalid_request_error"
         code = (error.name or "error").lower().replace(" ", "_")  # e.g. request_entity_too_large
         return error_response(ApiError(error.code, message, type=kind, code=code))
@@ -260,7 +262,7 @@ def create_app(engine: EngineAPI, settings: ServeSettings) -> QuartTrio:
     app.register_error_handler(HTTPException, server.http_error)
     app.register_error_handler(InvalidRequest, server.invalid_request)
     app.register_error_handler(Exception, server.server_error)
-    routes = [
+    routes: list[tuple[str, RouteCallable, str]] = [
         ("/v1/chat/completions", server.chat_completions, "POST"),
         ("/v1/completions", server.completions, "POST"),
         ("/v1/models", server.models, "GET"),

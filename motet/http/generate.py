@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ..runtime.api import FinishEvent, TokenEvent
+from ..runtime.api import FinishEvent, TokenEvent, TurnReport
 from ..runtime.engine_api import EngineAPI, Events
 from ..runtime.errors import Cancelled, EngineError
 from . import openai_responses as shape
@@ -73,7 +73,7 @@ class Generation:
         self.decode_rate = decode_rate
         self.default_max_tokens = default_max_tokens
         self.retry_after_s = retry_after_s
-        self.last_report = None  # the last finished turn's TurnReport (for /experts)
+        self.last_report: TurnReport | None = None  # the last finished turn's (for /experts)
 
     # ---- bookkeeping ----------------------------------------------------------------
 
@@ -104,7 +104,8 @@ class Generation:
 
     async def answer(self, turn: Turn, prompt: str):
         """The whole answer as an OpenAI object, or an ApiError."""
-        finish = refusal = None
+        finish: FinishEvent | None = None
+        refusal: EngineError | None = None
         entered = False
         try:
             async with self.engine.stream(prompt, **self._kwargs(turn)) as events:
@@ -124,14 +125,15 @@ class Generation:
                 self.metrics.requests.labels("cancelled").inc()
         if refusal is not None:
             return self._error(turn, refusal)
+        assert finish is not None  # a stream that ends without raising ends with its FinishEvent
         self._finish(finish)
         if finish.stats.finish_reason == "cancelled":  # cancelled by someone else
             return self._error(turn, Cancelled())
         text, asked = "".join(turn.texts) + finish.text_tail, turn.options.logprobs
         head = (turn.ident, turn.created, turn.model, text, finish)
         if turn.chat:
-            logprobs = [shape.chat_logprob(e, turn.k) for e in turn.logprobs] if asked else None
-            return shape.chat_completion(*head, logprobs, turn.topk())
+            content = [shape.chat_logprob(e, turn.k) for e in turn.logprobs] if asked else None
+            return shape.chat_completion(*head, content, turn.topk())
         logprobs = shape.completion_logprobs(turn.logprobs, turn.k) if asked else None
         return shape.text_completion(*head, logprobs, turn.topk())
 
@@ -155,7 +157,7 @@ class Generation:
         # in flight. A body never started (the client left between the headers and the
         # first byte) runs no finally; then the stream block is closed when it is
         # garbage-collected, by Trio's async-generator finalizer: a cancel all the same.
-        finish = None
+        finish: FinishEvent | None = None
         try:
             if turn.chat:
                 yield shape.sse(self._chunk(turn, {"role": "assistant", "content": ""}))
@@ -168,6 +170,7 @@ class Generation:
                         sent += len(event.text)
                 else:
                     finish = event
+            assert finish is not None  # a stream that ends without raising ends with its FinishEvent
             self._finish(finish)
             if finish.stats.finish_reason == "cancelled":
                 yield shape.sse(self._error(turn, Cancelled()).body())
@@ -196,9 +199,10 @@ class Generation:
         logprobs = bool(events) and turn.options.logprobs
         if turn.chat:
             delta = content if isinstance(content, dict) else ({"content": content} if finish is None else {})
-            lp = [shape.chat_logprob(e, turn.k) for e in events] if logprobs else None
+            entries = [shape.chat_logprob(e, turn.k) for e in events] if logprobs else None
             return shape.chat_chunk(turn.ident, turn.created, turn.model, delta, finish=finish,
-                                    logprobs=lp, with_usage=usage)
+                                    logprobs=entries, with_usage=usage)
+        assert isinstance(content, str)  # a dict delta is chat's alone
         lp = shape.completion_logprobs(list(events), turn.k, sent) if logprobs else None
         return shape.completion_chunk(turn.ident, turn.created, turn.model, content, finish=finish,
                                       logprobs=lp, with_usage=usage)

@@ -54,7 +54,7 @@ def startup_metrics(report: StartupReport | None):
         return
     yield _gauge("motet_time_to_ready_seconds", "From the engine's start to ready: loading the model, "
                  "then compiling and running every shape it serves.", report.ready_s)
-    if report.compiled is not None:
+    if report.compiled is not None and report.from_cache is not None:  # said together
         executables = GaugeMetricFamily("motet_startup_executables", "Executables the engine needed while "
                                         "starting, by where they came from.", labels=["source"])
         executables.add_metric(["compiled"], report.compiled)
@@ -76,7 +76,7 @@ def experts_per_tier(emap: bytes) -> tuple[int, int, int]:
         tier = byte >> 6
         if tier < 3:
             counts[tier] += 1
-    return tuple(counts)
+    return counts[0], counts[1], counts[2]
 
 
 class Metrics:

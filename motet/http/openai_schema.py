@@ -12,6 +12,7 @@ stop strings, prompt characters (before tokenizing), and `max_tokens`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeGuard
 
 MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 5
@@ -220,7 +221,7 @@ def _stop(stop: object, limits: Limits) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -78,9 +78,9 @@ def _schemas(settings: ServeSettings, slots: int) -> dict:
     head = {"id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
             "model": {"type": "string"}, "system_fingerprint": {"type": "string"}}
     finish = _nullable({"enum": ["stop", "length"]})
-    top = {"type": "object", "required": ["token", "logprob"],
-           "properties": {"token": {"type": "string"}, "logprob": number,
-                          "bytes": {"type": "array", "items": {"type": "integer"}}}}
+    top_properties = {"token": {"type": "string"}, "logprob": number,
+                      "bytes": {"type": "array", "items": {"type": "integer"}}}
+    top = {"type": "object", "required": ["token", "logprob"], "properties": top_properties}
     return {
         "Error": {
             "type": "object", "required": ["error"],
@@ -144,7 +144,7 @@ def _schemas(settings: ServeSettings, slots: int) -> dict:
                                     "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}},
                         "logprobs": _nullable({"type": "object", "properties": {"content": {
                             "type": "array", "items": {**top, "properties": {
-                                **top["properties"], "top_logprobs": {"type": "array", "items": top}}}}}}),
+                                **top_properties, "top_logprobs": {"type": "array", "items": top}}}}}}),
                     }}},
             },
         },
@@ -265,9 +265,9 @@ def _slot_action(settings: ServeSettings, slots: int, security: list) -> dict:
 
 def openapi_document(settings: ServeSettings, model: str, slots: int) -> dict:
     """The document for a server with `settings`, serving `model` on `slots` KV slots."""
-    any_body = {"*/*": {"schema": {}}}
+    any_body: dict[str, dict[str, object]] = {"*/*": {"schema": {}}}
     # With a key, a protected route takes it either way; without one, it takes none ({}).
-    key = [{"bearer": []}, {"apiKey": []}] if settings.api_key is not None else [{}]
+    key: list[dict[str, list[str]]] = [{"bearer": []}, {"apiKey": []}] if settings.api_key is not None else [{}]
     return {
         "openapi": OPENAPI_VERSION,
         "info": {"title": "motet", "version": __version__,

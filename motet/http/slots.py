@@ -84,7 +84,7 @@ async def folder_path(folder: Path, name: str) -> Path:
     return path
 
 
-async def json_body() -> object:
+async def json_body() -> dict[str, object]:
     data = await request.get_data(cache=False)  # 413 past the limit, 408 past the timeout
     if not data.strip():
         return {}

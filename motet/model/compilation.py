@@ -50,7 +50,8 @@ def use_compile_cache(path: Path | str | None) -> Path | None:
 
 def current_compile_cache() -> Path | None:
     """The folder JAX's persistent cache is set to, or None."""
-    value = jax.config.jax_compilation_cache_dir
+    # the option is a property JAX adds at run time, unknown to its type stubs
+    value = jax.config.values["jax_compilation_cache_dir"]
     return Path(value) if value else None
 
 
@@ -98,7 +99,7 @@ class CompileCounter:
         with self._lock:
             return CompileCount(self._requests, self._from_cache)
 
-    def _on_duration(self, event: str, duration: float, **kwargs) -> None:
+    def _on_duration(self, event: str, duration_secs: float, **kwargs: str | int) -> None:
         if event == _COMPILE_EVENT:
             with self._lock:
                 self._requests += 1

@@ -22,6 +22,10 @@ _HF_MODEL_TYPES = {
 }
 _GGUF_ARCHS = {"llama": "llama", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
 
+QkNorm = Literal["none", "head", "full"]
+# The architectures that normalise queries and keys; the rest use "none".
+_QK_NORMS: dict[str, QkNorm] = {"qwen3_moe": "head", "olmoe": "full"}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -38,7 +42,7 @@ class ModelConfig:
     max_context: int
     tie_embeddings: bool
     # none, head (RMSNorm over each head, Qwen3), full (over the whole projection, OLMoE)
-    qk_norm: Literal["none", "head", "full"] = "none"
+    qk_norm: QkNorm = "none"
     n_experts: int = 0
     n_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -125,7 +129,7 @@ def config_from_hf(cfg: dict) -> ModelConfig:
         rms_eps=float(_first(cfg, "rms_norm_eps", default=1e-6)),
         max_context=int(cfg.get("max_position_embeddings", 4096)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(arch, "none"),
+        qk_norm=_QK_NORMS.get(arch, "none"),
         n_experts=n_experts,
         n_experts_per_tok=_first(cfg, "num_experts_per_tok", default=0),
         moe_intermediate_size=(
@@ -171,7 +175,7 @@ def config_from_gguf(meta: dict, has_output_weight: bool,
         arch = "mixtral"  # llama.cpp stores Mixtral under the llama architecture
     vocab = key("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
     n_layers = int(key("block_count"))
-    moe_layers = ()
+    moe_layers: tuple[bool, ...] = ()
     if n_experts and tensor_names is not None:
         moe_layers = tuple(f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(n_layers))
         if not any(moe_layers):  # no router anywhere: all MoE, so loading names the missing one
@@ -189,7 +193,7 @@ def config_from_gguf(meta: dict, has_output_weight: bool,
         rms_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
         max_context=int(key("context_length", 4096)),
         tie_embeddings=not has_output_weight,
-        qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(arch, "none"),
+        qk_norm=_QK_NORMS.get(arch, "none"),
         n_experts=n_experts,
         n_experts_per_tok=int(key("expert_used_count", 0)),
         # a dense model has no expert width (0, as config_from_hf gives)

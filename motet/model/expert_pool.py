@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from .quant import QTensor, host_index, stack
-from .sharding import EP, TP, host_layout
+from .sharding import EP, TP, gate_up_layout
 from .tiered import POOL_SPECS, put_experts, take_experts
 
 DISK, RAM, DEVICE = 0, 1, 2  # EMAP's 2-bit tier
@@ -123,7 +123,8 @@ class ExpertPool:
         self.lut = np.full((n_layers, n_experts), -1, np.int32)  # expert → slot, -1 off device
         self.occupant = np.full((n_layers, slots), -1, np.int32)  # slot → expert, -1 empty
         self.slot_used = np.zeros((n_layers, slots), np.int64)  # step of last use (LRU)
-        self.ram: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        # None: an expert being evicted from the device this moment (_evict)
+        self.ram: dict[tuple[int, int], tuple[np.ndarray, np.ndarray] | None] = {}
         self.ram_used = np.zeros((n_layers, n_experts), np.int64)
         self.rank = np.zeros((n_layers, n_experts))
         self.pinned: list[frozenset[int]] = [frozenset()] * n_layers
@@ -280,7 +281,7 @@ class ExpertPool:
 
     def _pair(self, r: int, experts: list[int], evictable, this_step: bool = True) -> list[tuple[int, int]]:
         """(expert, slot) for experts to load, each into its owner's range."""
-        pairs = []
+        pairs: list[tuple[int, int]] = []
         for g in range(self.groups):
             mine = [e for e in experts if self.owner(e) == g]
             if mine:
@@ -315,7 +316,9 @@ class ExpertPool:
         self._evict(r, [(int(self.occupant[r, s]), s) for _, s in pairs if self.occupant[r, s] >= 0])
         gate_up, down = [], []
         for e, s, tier in coming:
-            gu, dn = from_ram[e] if tier == RAM else self._read(r, e)
+            held = from_ram[e] if tier == RAM else self._read(r, e)
+            assert held is not None  # RAM holds a None only while _evict runs
+            gu, dn = held
             gate_up.append(gu)
             down.append(dn)
             self.lut[r, e], self.occupant[r, s], self.slot_used[r, s] = s, e, self.step
@@ -377,7 +380,7 @@ class ExpertPool:
         if not isinstance(gu, QTensor):
             gu, dn = np.asarray(gu, self.host_dtype), np.asarray(dn, self.host_dtype)
         if self.mesh is not None:  # RAM and the pool hold the layout of its tp shards
-            gu = host_layout(None, "experts_gate_up", gu, self.mesh.shape[TP])
+            gu = gate_up_layout(gu, self.mesh.shape[TP])
         self.stats.read_s += time.perf_counter() - started
         return gu, dn
 

@@ -105,6 +105,7 @@ _GGUF_NAMES = {
 
 def _gguf_name(canonical: str) -> str:
     """The GGUF tensor name a canonical name comes from, for messages."""
+    layer: str | None
     layer, _, kind = canonical.partition(".")
     if not kind:
         kind, layer = layer, None

@@ -41,9 +41,12 @@ def _native(k_cache, new_k) -> bool:
     """Whether the native write takes these: caches on one CPU device, of a type it
     stores, and float32 rows."""
     first = k_cache[0]
-    return (native.available() and new_k[0].dtype == jnp.float32 and first.dtype in _CACHE_TYPES
-            and isinstance(first, jax.Array) and len(first.sharding.device_set) == 1
-            and next(iter(first.sharding.device_set)).platform == "cpu")
+    if not (native.available() and new_k[0].dtype == jnp.float32 and first.dtype in _CACHE_TYPES
+            and isinstance(first, jax.Array) and len(first.sharding.device_set) == 1):
+        return False
+    # JAX's own annotation names its Device class through an alias mypy cannot follow
+    device: jax.Device = next(iter(first.sharding.device_set))
+    return device.platform == "cpu"
 
 
 @partial(jax.jit, donate_argnums=(0, 1), static_argnames=("chunk",))

@@ -12,6 +12,7 @@ import numpy as np
 from .chat_template import CHATML_TEMPLATE, render_chat
 from .config import ModelConfig
 from .errors import ContextLengthError
+from .expert_pool import ExpertReader
 from .forward import prefill
 from .kv import bucket
 from .tokenizer import Tokenizer
@@ -27,7 +28,7 @@ class Model:
     dtype: str
     # Set when the experts were left in the model file (load_model(lazy_experts=True)):
     # they are read one by one into a tiered ExpertPool, and `weights` has none.
-    expert_reader: object | None = None
+    expert_reader: ExpertReader | None = None
     # The KV cache's element type (kv.KV_DTYPES); load_model picks it (kv.pick_kv_dtype).
     kv_dtype: str = "float32"
 

@@ -94,7 +94,7 @@ def dequantize(w: QTensor, dtype=F32) -> jax.Array:
         v = w.values.reshape(*lead, -1, 16)
         q = jnp.concatenate([v & 15, v >> 4], axis=-1)
     else:
-        q = w.values.reshape(*lead, -1, w.block)
+        q = jnp.reshape(w.values, (*lead, -1, w.block))
     scale, mins = scales_of(w)
     out = q.astype(dtype) * scale[..., None].astype(dtype)
     if mins is not None:

@@ -59,7 +59,7 @@ class SafetensorsFile:
         self.data_offset, header = read_safetensors_header(path)
         header.pop("__metadata__", None)
         self.header = header
-        self._map = None
+        self._map: np.memmap | None = None  # mapped on the first read
 
     def array(self, name: str) -> np.ndarray:
         info = self.header[name]
@@ -205,7 +205,7 @@ class SafetensorsSource:
                 return fused[:, :f] if kind == "gate" else fused[:, f:]
 
             return half
-        per_expert = []
+        per_expert: list[tuple[SafetensorsFile, str]] = []
         while f"{layer}.expert.{len(per_expert)}.{kind}" in self.files:
             per_expert.append(self.files[f"{layer}.expert.{len(per_expert)}.{kind}"])
         if rest.startswith("experts.") and per_expert:

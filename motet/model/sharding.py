@@ -141,8 +141,10 @@ def mesh_of(weights: dict) -> Mesh | None:
     if isinstance(leaf, jax.core.Tracer):
         return None
     sharding = getattr(leaf, "sharding", None)
-    if isinstance(sharding, NamedSharding) and sharding.mesh.axis_names == AXES and sharding.mesh.size > 1:
-        return sharding.mesh
+    # a placed array's mesh is concrete (an AbstractMesh appears only under tracing)
+    mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
+    if isinstance(mesh, Mesh) and mesh.axis_names == AXES and mesh.size > 1:
+        return mesh
     return None
 
 
@@ -176,9 +178,14 @@ def host_layout(cfg: ModelConfig, name: str, array: np.ndarray, tp: int) -> np.n
         q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         return _by_shard(array, [q, kv, kv], tp)
     if name in ("w_gate_up", "experts_gate_up"):
-        half = array.shape[-1] // 2
-        return _by_shard(array, [half, half], tp)
+        return gate_up_layout(array, tp)
     return array
+
+
+def gate_up_layout(array: np.ndarray, tp: int) -> np.ndarray:
+    """A fused gate/up leaf as host_layout gives it; it needs no config (the expert pool's)."""
+    half = array.shape[-1] // 2
+    return _by_shard(array, [half, half], tp) if tp > 1 else array
 
 
 def leaf_spec(cfg: ModelConfig, name: str) -> P:
@@ -207,7 +214,7 @@ def place_weights(weights: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
 
 def weight_specs(cfg: ModelConfig, weights: dict) -> dict:
     """The pytree of PartitionSpecs matching `weights` (shard_map's in_specs)."""
-    out = {name: leaf_spec(cfg, name) for name in weights if name != "layers"}
+    out: dict[str, P | list[dict[str, P]]] = {name: leaf_spec(cfg, name) for name in weights if name != "layers"}
     out["layers"] = [{name: leaf_spec(cfg, name) for name in layer} for layer in weights["layers"]]
     return out
 

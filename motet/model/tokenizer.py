@@ -212,11 +212,13 @@ class Tokenizer:
                 f"(supported: {', '.join(sorted(_GGUF_PRE_TOKENIZERS))})"
             )
         try:
-            tokens = list(meta["tokenizer.ggml.tokens"])
-            merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-        except (KeyError, TypeError) as exc:
+            tokens = _strings(meta, "tokenizer.ggml.tokens")
+            # a merge without its space fails to unpack: ValueError
+            merges = [(a, b) for a, b in (m.split(" ", 1) for m in _strings(meta, "tokenizer.ggml.merges"))]
+        except (KeyError, TypeError, ValueError) as exc:
             raise UnsupportedModelError(f"GGUF tokenizer lacks its vocabulary or merges: {exc}") from exc
-        types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        given_types = meta.get("tokenizer.ggml.token_type")
+        types = given_types if isinstance(given_types, list) else [1] * len(tokens)
 
         alphabet = set(_byte_alphabet().values())
         spelling = _byte_alphabet()
@@ -385,3 +387,11 @@ def _post_processor_adds(post: object, bos_token: str) -> bool:
         if first.get("SpecialToken", {}).get("id") == bos_token:
             return True
     return False
+
+
+def _strings(meta: Mapping[str, object], key: str) -> list[str]:
+    """A GGUF metadata array of strings: KeyError where absent, TypeError where not one."""
+    value = meta[key]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise TypeError(f"{key!r} is not an array of strings")
+    return value

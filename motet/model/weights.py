@@ -67,8 +67,8 @@ def _matrix(source: TensorSource, parts: list[tuple[str, tuple[int, ...]]], quan
     of experts) as one matrix: a QTensor [..., out, in] when quantized and the file holds
     every part quantized, else float32 [..., in, out] (x @ W)."""
     if quantized:
-        packed = [source.get_packed(name) for name, _ in parts]
-        if all(p is not None for p in packed):
+        packed = [p for p in (source.get_packed(name) for name, _ in parts) if p is not None]
+        if len(packed) == len(parts):
             for p, (name, shape) in zip(packed, parts):
                 if p.shape != shape:
                     raise ModelFileError(f"{source.describe(name)} has shape {p.shape}, "
@@ -85,12 +85,14 @@ def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, expe
     quantized: keep the projections, the experts, the embedding and the LM head as the
     file quantized them (QTensor, quant.py); the norms and routers stay float32."""
     if mesh is None:
-        def put(name: str, array, dtype) -> jax.Array:
+        def put(name: str, array: QTensor | np.ndarray, dtype) -> jax.Array:
             if isinstance(array, QTensor):
                 return jax.device_put(array)
             return jnp.asarray(array, dtype=dtype)
     else:
-        def put(name: str, array: np.ndarray, dtype) -> jax.Array:
+        def put(name: str, array: QTensor | np.ndarray, dtype) -> jax.Array:
+            if isinstance(array, QTensor):  # quantized=True goes with a mesh only where the file holds floats
+                raise ValueError(f"{name}: quantized weights are not split over a mesh yet: load with --dtype float32")
             return place_leaf(cfg, mesh, name, array, dtype)
 
     d, hd = cfg.hidden_size, cfg.head_dim

@@ -149,7 +149,8 @@ def _fsync_dir(directory: str) -> None:
 # ---- reading -------------------------------------------------------------------------
 
 
-def layer_arrays(header: SessionHeader, tokens: int, k: bytes, v: bytes) -> tuple[np.ndarray, np.ndarray]:
+def layer_arrays(header: SessionHeader, tokens: int, k: bytes | memoryview,
+                 v: bytes | memoryview) -> tuple[np.ndarray, np.ndarray]:
     """A layer's bytes as host arrays; SessionError when their size does not fit."""
     dtype = np.dtype(header.dtype)  # bfloat16 too: ml_dtypes gives numpy its name
     shape = (tokens, header.kv_heads, header.head_dim)

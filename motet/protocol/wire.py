@@ -9,7 +9,7 @@ I/O layer feeds received bytes to a `FrameDecoder` and writes what `encode_frame
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,7 +108,7 @@ class FrameDecoder:
 # ---- messages ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Msg:
     """`key=value` lines sorted by key (one per key), a blank line, a body.
 
@@ -117,19 +117,19 @@ class Msg:
     A key holds no `=` or newline and a value no newline: the text could not be read
     back otherwise. The whole message is UTF-8, so the body is text."""
 
-    fields: tuple[tuple[str, str], ...] = ()
-    body: str = ""
+    fields: tuple[tuple[str, str], ...]
+    body: str
 
-    def __post_init__(self):
-        pairs = self.fields.items() if isinstance(self.fields, Mapping) else self.fields
-        pairs = [(_key(k), _value(k, v)) for k, v in pairs]
-        fields = tuple(sorted(pairs))
-        for i, (k, _) in enumerate(fields):
-            if i and fields[i - 1][0] == k:
+    def __init__(self, fields: Mapping[str, str | int] | Iterable[tuple[str, str | int]] = (), body: str = ""):
+        pairs = fields.items() if isinstance(fields, Mapping) else fields
+        kept = tuple(sorted((_key(k), _value(k, v)) for k, v in pairs))
+        for i, (k, _) in enumerate(kept):
+            if i and kept[i - 1][0] == k:
                 raise ValueError(f"a Msg has one value per key; {k!r} was given twice")
-        if not isinstance(self.body, str):
+        if not isinstance(body, str):
             raise ValueError("a Msg body is text (the whole message is UTF-8)")
-        object.__setattr__(self, "fields", fields)
+        object.__setattr__(self, "fields", kept)
+        object.__setattr__(self, "body", body)
 
     def get(self, key: str) -> str | None:
         return next((v for k, v in self.fields if k == key), None)

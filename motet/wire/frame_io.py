@@ -52,7 +52,8 @@ class FrameStream:
                 if self._error is None:
                     raise trio.EndOfChannel
                 continue
-            for event in self._decoder.feed(data):  # an error is always the last event
+            # bytes() of the bytes a socket gives is that same object: no copy
+            for event in self._decoder.feed(bytes(data)):  # an error is always the last event
                 if isinstance(event, WireError):
                     self._error = event
                 else:
@@ -234,4 +235,5 @@ class Handover:
         if self.layers_in != due:
             raise HandoverFailed(f"{self.layers_in} layers came, {due} were due")
         self.first = None if ended else msg.number("first")
+        assert self.arrived is not None  # set by receive(), which gave this frame
         self.transfer_ms = round((time.perf_counter() - self.arrived) * 1000)
