@@ -11,7 +11,6 @@ again.
 
 from __future__ import annotations
 
-import logging
 from contextlib import asynccontextmanager
 
 import trio
@@ -19,72 +18,51 @@ import trio
 from ..runtime.api import EngineStatistics, ExpertState, Health
 from ..runtime.collect import Collected
 from ..runtime.errors import EngineClosed, EngineUnavailable
+from .supervisor import OpenEngine, Supervisor
 
-log = logging.getLogger(__name__)
-RESTART_DELAY_S = 1.0  # between a child's death and the next start, so a crash loop idles
+RESTART_EVERY_S = 1.0  # at most one start a second, so a crash loop idles
 
 
 class RestartingEngine(Collected):
-    def __init__(self, open_engine, *, kv_slots: int):
+    def __init__(self, open_engine: OpenEngine, *, kv_slots: int):
         """`open_engine()` returns a new MuxEngine (an async context manager)."""
-        self._open = open_engine
         self.kv_slots = kv_slots
         self.name = ""  # the model's, once a child has started
-        self.restarts = 0
-        self.start_error: str | None = None  # why the last start failed; None once one works
-        self._engine = None
-        self._stopping = trio.Event()
-        self._experts = ExpertState(0, 0, b"", b"", 0, ())
+        self._experts = ExpertState(0, 0, b"", b"", 0, ())  # the last child's, between two
+        self._child = Supervisor("mux", open_engine, RESTART_EVERY_S, on_up=self._up, on_down=self._down)
+
+    def _up(self, engine) -> None:
+        self.name = engine.name
+
+    def _down(self, engine) -> None:
+        self._experts = engine.expert_state()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
         """Keep a child running until close(); started once the first child is READY."""
-        started = False
-        while not self._stopping.is_set():
-            try:
-                async with self._open() as engine:
-                    self._engine, self.name, self.start_error = engine, engine.name, None
-                    if not started:
-                        started = True
-                        task_status.started()
-                    await self._wait_exit_or_close(engine)
-            except Exception as exc:  # a start that failed (Cancelled is no Exception)
-                if not started:
-                    raise
-                self.start_error = str(exc)
-                log.error("the mux engine did not start again: %s", exc)
-            finally:
-                if self._engine is not None:
-                    self._experts = self._engine.expert_state()
-                self._engine = None
-            if not self._stopping.is_set():
-                self.restarts += 1
-                log.warning("the mux engine exited; starting it again (restart %d)", self.restarts)
-                await trio.sleep(RESTART_DELAY_S)
-
-    async def _wait_exit_or_close(self, engine) -> None:
-        async with trio.open_nursery() as nursery:
-            async def exited():
-                await engine.process.wait()
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(exited)
-            await self._stopping.wait()
-            nursery.cancel_scope.cancel()
-        # leaving the MuxEngine block drains its requests and lets the child exit
+        await self._child.run(task_status=task_status)
 
     def close(self) -> None:
         """Stop restarting: the running child drains and exits, then run() returns."""
-        self._stopping.set()
+        self._child.stop()
+
+    @property
+    def restarts(self) -> int:
+        return self._child.restarts
+
+    @property
+    def start_error(self) -> str | None:
+        """Why the last start failed; None once one works."""
+        return self._child.start_error
 
     @property
     def current(self):
         """The running MuxEngine; None between two children."""
-        return self._engine
+        return self._child.engine
 
     def _current(self):
-        if self._engine is None:
-            raise EngineClosed() if self._stopping.is_set() else EngineUnavailable(self.start_error)
-        return self._engine
+        if self._child.engine is None:
+            raise EngineClosed() if self._child.stopping.is_set() else EngineUnavailable(self.start_error)
+        return self._child.engine
 
     # ---- the engine API, forwarded ----------------------------------------------------
 
@@ -112,16 +90,16 @@ class RestartingEngine(Collected):
         return await self._current().erase_slot(slot)
 
     def statistics(self) -> EngineStatistics:
-        if self._engine is None:  # between two children: nothing runs, nothing is taken
+        if self.current is None:  # between two children: nothing runs, nothing is taken
             return EngineStatistics(0, 0, self.kv_slots, True)
-        return self._engine.statistics()
+        return self.current.statistics()
 
     def expert_state(self) -> ExpertState:
-        return self._experts if self._engine is None else self._engine.expert_state()
+        return self._experts if self.current is None else self.current.expert_state()
 
     def startup(self):
         """How the running child came up (None between two children)."""
-        return None if self._engine is None else self._engine.startup()
+        return None if self.current is None else self.current.startup()
 
     def health(self) -> Health:
         return Health.of(self.statistics().closing, self.startup(), start_error=self.start_error)

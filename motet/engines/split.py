@@ -33,6 +33,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 import trio
@@ -43,7 +44,8 @@ from ..runtime.errors import DuplicateId, EngineClosed, NotFound
 from ..runtime.service import Service
 from ..runtime.slot_table import SlotQueue
 from ..runtime.split_settings import SplitSettings
-from .split_state import HandoverCounts, HandoverFailed, OpenEngine, Role, SplitRequest, SplitStream, SplitUnavailable
+from .split_state import HandoverCounts, HandoverFailed, Role, SplitRequest, SplitStream, SplitUnavailable
+from .supervisor import OpenEngine
 
 log = logging.getLogger(__name__)  # "motet.engines.split"
 
@@ -68,8 +70,11 @@ class SplitEngine(Service, Collected):
         self.settings = settings
         self.min_prompt_tokens = settings.min_prompt_tokens
         self.queue_limit = queue_limit
-        self._prefill = Role("prefill", open_prefill, prefill_restart_every_s)
+        # the decode engine's first start must succeed; the prefill engine's may come later
+        self._prefill = Role("prefill", open_prefill, prefill_restart_every_s, must_start=False)
         self._decode = Role("decode", open_decode, DECODE_RESTART_EVERY_S)
+        for role in (self._prefill, self._decode):
+            role.on_up = partial(self._up, role)
         self._encode = encode
         self._before_restore = before_restore
         self._counts = HandoverCounts()
@@ -77,7 +82,6 @@ class SplitEngine(Service, Collected):
         self._ids = itertools.count(1)
         self._files = itertools.count(1)
         self._closing = False
-        self._stopping = trio.Event()
         self.dir: Path | None = None
         self.name = ""  # the model's, once the decode engine has started
         self.kv_slots = 0
@@ -89,8 +93,8 @@ class SplitEngine(Service, Collected):
         that cannot start is logged and tried again later: the decode engine serves)."""
         self.dir = self.settings.make_dir()
         try:
-            nursery.start_soon(self._keep, self._prefill)
-            await nursery.start(self._keep, self._decode)
+            nursery.start_soon(self._prefill.run)
+            await nursery.start(self._decode.run)
             await self._prefill.tried.wait()
         except BaseException:
             shutil.rmtree(self.dir, ignore_errors=True)  # no _closed_now after a failed start
@@ -99,7 +103,8 @@ class SplitEngine(Service, Collected):
 
     async def _close(self) -> None:
         await self.drain()
-        self._stopping.set()  # each keeper leaves its engine's block: it drains and ends
+        for role in (self._prefill, self._decode):
+            role.stop()  # it leaves its engine's block: the engine drains and ends
         for role in (self._prefill, self._decode):
             await role.done.wait()
 
@@ -114,60 +119,11 @@ class SplitEngine(Service, Collected):
         for request in list(self._requests.values()):
             await request.ended.wait()
 
-    async def _keep(self, role: Role, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Keep one engine running until close, starting it again after an exit, at most
-        once per `role.restart_every_s`. The decode engine's first start must succeed."""
-        last_start = -math.inf
-        try:
-            while not self._stopping.is_set():
-                with trio.move_on_at(last_start + role.restart_every_s):
-                    await self._stopping.wait()
-                if self._stopping.is_set():
-                    break
-                last_start = trio.current_time()
-                try:
-                    async with role.open() as engine:
-                        role.engine, role.start_error = engine, None
-                        waiting = self.queue_limit if role is self._decode else math.inf
-                        role.slots = SlotQueue(engine.kv_slots, waiting)
-                        role.starts += 1
-                        role.changed_now()
-                        if role is self._decode:
-                            self.name, self.kv_slots = engine.name, engine.kv_slots
-                        if not role.tried.is_set():
-                            role.tried.set()
-                            task_status.started()
-                        elif role is self._prefill:
-                            log.info("the prefill engine serves again")
-                        await self._until_exit_or_stop(engine)
-                except Exception as exc:  # a start that failed, or a close (trio.Cancelled is no Exception)
-                    if role is self._decode and not role.tried.is_set():
-                        raise
-                    role.start_error = str(exc)
-                    log.error("the %s engine failed: %s", role.name, exc)
-                finally:
-                    role.engine = None
-                    role.changed_now()
-                if not role.tried.is_set():
-                    role.tried.set()
-                    task_status.started()
-                if not self._stopping.is_set():
-                    log.warning("the %s engine has stopped; it starts again within %.0f s",
-                                role.name, max(0.0, last_start + role.restart_every_s - trio.current_time()))
-        finally:
-            role.done.set()
-
-    async def _until_exit_or_stop(self, engine) -> None:
-        process = getattr(engine, "process", None)  # a MuxEngine's child; an Engine has none
-        async with trio.open_nursery() as nursery:
-            async def exited():
-                await process.wait()
-                nursery.cancel_scope.cancel()
-
-            if process is not None:
-                nursery.start_soon(exited)
-            await self._stopping.wait()
-            nursery.cancel_scope.cancel()
+    def _up(self, role: Role, engine) -> None:
+        waiting = self.queue_limit if role is self._decode else math.inf
+        role.slots = SlotQueue(engine.kv_slots, waiting)
+        if role is self._decode:
+            self.name, self.kv_slots = engine.name, engine.kv_slots
 
     # ---- the engine API ---------------------------------------------------------------
 

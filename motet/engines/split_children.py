@@ -11,7 +11,7 @@ from pathlib import Path
 from ..runtime.split_settings import RoleArgs, SplitSettings
 from .chat_files import ChatFiles
 from .split import SplitEngine
-from .split_state import OpenEngine
+from .supervisor import OpenEngine
 
 
 def mux_command() -> tuple[str, ...]:

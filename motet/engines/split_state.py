@@ -1,11 +1,10 @@
-"""What a SplitEngine keeps: each role's engine and its restarts (Role), a request until
+"""What a SplitEngine keeps: each role's engine, kept running, and its slots (Role), a request until
 it reaches the decode engine (SplitRequest) and its events after (SplitStream), and the
 handovers' counts."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import trio
@@ -13,8 +12,7 @@ import trio
 from ..runtime.api import Handover, TokenEvent
 from ..runtime.errors import Cancelled, EngineUnavailable
 from ..runtime.slot_table import SlotQueue
-
-OpenEngine = Callable[[], AbstractAsyncContextManager]
+from .supervisor import Supervisor
 
 
 class SplitUnavailable(EngineUnavailable):
@@ -29,28 +27,10 @@ class HandoverFailed(Exception):
 
 
 @dataclass
-class Role:
-    """One of the two engines: how to open it, the one running now, its slots."""
+class Role(Supervisor):
+    """One of the two engines, kept running (Supervisor), and its slots."""
 
-    name: str
-    open: OpenEngine
-    restart_every_s: float
-    engine: object | None = None
     slots: SlotQueue | None = None
-    starts: int = 0  # successful starts
-    start_error: str | None = None
-    tried: trio.Event = field(default_factory=trio.Event)  # the first start is over
-    done: trio.Event = field(default_factory=trio.Event)  # its keeper has returned
-    changed: trio.Event = field(default_factory=trio.Event)  # set (and replaced) as an engine comes or goes
-
-    def changed_now(self) -> None:
-        self.changed.set()
-        self.changed = trio.Event()
-
-    def alive(self):
-        """The engine now, when it serves; else None."""
-        engine = self.engine
-        return engine if engine is not None and not engine.statistics().closing else None
 
 
 @dataclass
