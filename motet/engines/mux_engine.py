@@ -5,9 +5,8 @@
             async for event in events:
                 ...
 
-One reader task demultiplexes the child's stdout into per-request channels; one writer
-task owns its stdin. The wire has no "any slot", so slots are chosen here, as Engine's
-scheduler chooses them but on text; with every slot busy a request waits here (FIFO).
+One reader task demultiplexes the child's stdout into per-request channels; one writer task
+owns its stdin. The wire has no "any slot": slots are chosen here (runtime/slot_table.py).
 
 What the wire imposes: prompts are text (token ids are a BadRequest); `seed` is ignored
 (SUBMIT has none); token ids are None, logprobs come only with `top_logprobs` (from TOPK
@@ -15,9 +14,8 @@ lines); stop strings are matched here, then STOP ends the request; a request tha
 for a slot meets a refusal (ContextExceeded, ...) at its first event, not at entry.
 
 A slot's KV goes through motet's [extension] commands: save_slot / restore_slot /
-erase_slot (SAVE, RESTORE, ERASE) and prefill (PREFILL). A slot they use is not chosen
-for a request meanwhile. A restored slot holds text unknown here, so automatic slot
-choice never sees a prefix in it: a request continuing it names the slot.
+erase_slot (SAVE, RESTORE, ERASE) and prefill (PREFILL); a slot they use is not chosen for
+a request meanwhile. A restored slot's text is unknown here: a request continuing it names it.
 """
 
 from __future__ import annotations
@@ -57,13 +55,14 @@ async def _kill(process: trio.Process) -> None:
 
 class MuxEngine(Service, Collected):
     """`command` (a string is split as a shell would) runs with `env` over the caller's
-    environment and SERVE=1 SERVE_BATCH=1 SERVE_TOPK=1 KV_SLOTS=kv_slots. `chat_model`:
-    whose chat template render_chat uses (default: SNAP, else the default model)."""
+    environment and SERVE=1 SERVE_BATCH=1 SERVE_TOPK=1 KV_SLOTS=kv_slots; its settings are
+    read from those alone. `chat_model`: whose chat template render_chat uses (default:
+    `env`'s SNAP, else the default model)."""
 
     def __init__(self, command: Sequence[str] | str, *, env: Mapping[str, str] | None = None,
                  kv_slots: int = 1, chat_model: str | Path | None = None, queue_limit: int = 64):
         self.command = shlex.split(command) if isinstance(command, str) else list(command)
-        self.env = {**os.environ, **CHILD_ENV, "KV_SLOTS": str(kv_slots), **(env or {})}
+        self.env = {**CHILD_ENV, "KV_SLOTS": str(kv_slots), **(env or {})}
         self.kv_slots = int(self.env["KV_SLOTS"])
         self.topk = self.env.get("SERVE_TOPK") == "1"  # then every token ends with a TOPK line
         self._chat = ChatFiles(chat_model if chat_model is not None else self.env.get("SNAP") or None)
@@ -85,29 +84,30 @@ class MuxEngine(Service, Collected):
     async def start(self, nursery: trio.Nursery) -> None:
         """Start the child and wait for its READY; EngineStartError if it never comes."""
         started = time.perf_counter()
-        self.process = await nursery.start(partial(
+        self.process = process = await nursery.start(partial(
             trio.run_process, self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            env=self.env, check=False, deliver_cancel=_kill,
+            env={**os.environ, **self.env}, check=False, deliver_cancel=_kill,
         ))
+        assert process.stdin is not None and process.stdout is not None  # both piped
         decoder = mux.ExtendedResponseDecoder()
-        while data := await self.process.stdout.receive_some(READ_SIZE):
-            events = decoder.feed(data)
+        while data := await process.stdout.receive_some(READ_SIZE):
+            events = decoder.feed(bytes(data))
             if fail := next((e for e in events if isinstance(e, mux.LoadFail)), None):
-                status = await self.process.wait()
+                status = await process.wait()
                 raise EngineStartError(f"the mux engine could not load its model ({fail.kind}): "
                                        f"{fail.detail} (exit status {status})", status, fail.kind)
             if mux.Ready() in events:
                 self._report.ready_s = time.perf_counter() - started
                 break
         else:
-            status = await self.process.wait()
+            status = await process.wait()
             raise EngineStartError(f"{shlex.join(self.command)} exited with status {status} before READY",
                                    status)
         # Unbounded, yet bounded in fact: each request adds a SUBMIT and a CANCEL or STOP
         # or two, and each cancel() or stop() waits for its answer before it sends again.
         self._out, frames = trio.open_memory_channel(float("inf"))
-        nursery.start_soon(self._writer, frames)
-        nursery.start_soon(self._reader, decoder)
+        nursery.start_soon(self._writer, frames, process.stdin)
+        nursery.start_soon(self._reader, decoder, process)
         for event in events[events.index(mux.Ready()) + 1 :]:
             self._on_event(event)
         self._nursery = nursery
@@ -136,8 +136,8 @@ class MuxEngine(Service, Collected):
 
     # ---- the child's stdin and stdout ---------------------------------------------------
 
-    async def _writer(self, frames: trio.MemoryReceiveChannel):
-        async with frames, self.process.stdin as stdin:
+    async def _writer(self, frames: trio.MemoryReceiveChannel, stdin: trio.abc.SendStream):
+        async with frames, stdin:
             async for frame in frames:
                 try:
                     await stdin.send_all(frame)
@@ -152,14 +152,15 @@ class MuxEngine(Service, Collected):
             if not quiet:
                 raise self._closed_error() from None
 
-    async def _reader(self, decoder):
+    async def _reader(self, decoder, process: trio.Process):
+        assert process.stdout is not None  # piped
         try:
-            while data := await self.process.stdout.receive_some(READ_SIZE):
-                for event in decoder.feed(data):
+            while data := await process.stdout.receive_some(READ_SIZE):
+                for event in decoder.feed(bytes(data)):
                     self._on_event(event)
             self._eof = True
             with trio.move_on_after(EXIT_GRACE_S):
-                self._exit_status = await self.process.wait()
+                self._exit_status = await process.wait()
         finally:  # however it ended, all that waits on the child fails now
             self._exited.set()
             self._slots.queue.clear()

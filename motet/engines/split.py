@@ -208,7 +208,7 @@ class SplitEngine(Service, Collected):
 
     async def _on_slot(self, slot: int, call, *, keep: bool):
         engine = self._decode_engine()
-        slots = self._decode.slots
+        slots = self._decode.table()
         await slots.take((), slot)
         try:
             result = await call(engine)
@@ -228,9 +228,10 @@ class SplitEngine(Service, Collected):
             request_id = next(i for i in self._ids if i not in self._requests)
         elif request_id in self._requests:
             raise DuplicateId(request_id)
-        slots = self._decode.slots
+        slots = self._decode.table()
         request = self._requests[request_id] = SplitRequest(request_id)
-        target = history = None  # the decode slot, and what it holds afterwards (None: as before)
+        target: int | None = None  # the decode slot
+        history: tuple[int, ...] | None = None  # what it holds afterwards (None: as before)
         try:
             with request.cancellable():
                 target = await slots.take(ids, slot)
@@ -260,7 +261,7 @@ class SplitEngine(Service, Collected):
     async def _prepare(self, request_id: int, decode, prompt, ids, target: int):
         """Hand the prompt over when the decode engine would read at least
         min_prompt_tokens itself; what the target slot holds now (None: as before)."""
-        new = len(ids) - self._decode.slots.reusable(target, ids)
+        new = len(ids) - self._decode.table().reusable(target, ids)
         if new < self.min_prompt_tokens or len(ids) < 2:
             self._counts.short += 1
             return None
@@ -286,7 +287,8 @@ class SplitEngine(Service, Collected):
         prefill = self._prefill.alive()
         if prefill is None:
             raise HandoverFailed("the prefill engine is not running")
-        slots = self._prefill.slots
+        slots = self._prefill.table()
+        assert self.dir is not None  # made by start()
         path = self.dir / f"handover-{os.getpid()}-{next(self._files)}-{uuid.uuid4().hex[:8]}.session"
         own, held = None, ()
         try:

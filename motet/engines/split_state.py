@@ -30,7 +30,13 @@ class HandoverFailed(Exception):
 class Role(Supervisor):
     """One of the two engines, kept running (Supervisor), and its slots."""
 
-    slots: SlotQueue | None = None
+    slots: SlotQueue | None = None  # set as each engine starts, before it is seen
+
+    def table(self) -> SlotQueue:
+        """Its engine's slots: there once an engine has started (alive() gave one)."""
+        if self.slots is None:
+            raise RuntimeError(f"the {self.name} engine has not started")
+        return self.slots
 
 
 @dataclass
