@@ -29,11 +29,11 @@ test: install
 	$(BIN)/pytest -q
 
 # What CI runs before the tests: lint, the layers' import contracts (docs/architecture.md), and
-# types on the layers that are clean so far.
+# types on the whole package.
 check: install
 	$(BIN)/ruff check motet tests benchmarks tools
 	$(BIN)/lint-imports
-	$(BIN)/mypy motet/runtime motet/protocol
+	$(BIN)/mypy motet
 
 # The tests that need no browser, start no motet child process and take no long run:
 # a few minutes, for the loop while you work. `make test` stays the whole suite.

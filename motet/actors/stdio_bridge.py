@@ -20,7 +20,7 @@ import trio
 
 from ..protocol import mux
 from ..protocol.session_file import SessionError
-from ..runtime.api import FinishEvent, StepRouting, TokenEvent
+from ..runtime.api import ExpertTiers, FinishEvent, StepRouting, TokenEvent
 from ..runtime.engine_api import Events, InProcessEngineAPI
 from ..runtime.errors import BadRequest, ContextExceeded, DuplicateId, EngineError, NotFound, SlotBusy
 from ..runtime.experts import HITS_EVERY, ExpertMap, device_moves
@@ -148,14 +148,19 @@ class StdioBridge:
 
     def _hwinfo(self) -> bytes:
         vm = psutil.virtual_memory()
-        gpus = self.experts.tiers.gpus  # the engine's view of its GPUs (none on a CPU host)
+        gpus = self._expert_tiers().gpus  # the engine's view of its GPUs (none on a CPU host)
         return mux.encode_telemetry(
             "HWINFO", os.cpu_count(), f"{vm.total / 1e9:.1f}", f"{vm.available / 1e9:.1f}", len(gpus),
             f"{sum(total for _, total, _ in gpus):.1f}", f"{cpu_name()}|",
         )
 
-    def _tiers(self) -> bytes:
+    def _expert_tiers(self) -> ExpertTiers:
         tiers = self.experts.tiers
+        assert tiers is not None  # the engine's, set in __init__; a step only ever replaces them
+        return tiers
+
+    def _tiers(self) -> bytes:
+        tiers = self._expert_tiers()
         return mux.encode_telemetry(
             "TIERS", *self.experts.tier_counts(), f"{tiers.device_gb:.2f}", f"{tiers.ram_gb:.2f}"
         )
@@ -176,6 +181,9 @@ class StdioBridge:
     def _warmup(self) -> bytes:
         """[extension] How the engine came up (servers skip a line kind they do not know)."""
         r = self.engine.startup()
+        # ready, and in this process: every field is known (a mux child's report may lack some)
+        assert (r is not None and r.load_s is not None and r.warmup_s is not None and r.shapes is not None
+                and r.compiled is not None and r.from_cache is not None)
         return mux.encode_warmup(mux.Warmup(r.ready_s, r.load_s, r.warmup_s, r.shapes, r.compiled, r.from_cache))
 
     def _emap(self) -> bytes:
@@ -230,8 +238,7 @@ class StdioBridge:
         self.slots.release(slot, rid, touch=False)  # the engine picks no slot here: no recency to keep
 
     async def _submit(self, sub: mux.Submit | mux.Prefill, requests: trio.Nursery):
-        prefill = isinstance(sub, mux.Prefill)
-        if not prefill and sub.grammar is not None:
+        if isinstance(sub, mux.Submit) and sub.grammar is not None:
             await self._write(mux.encode_error(sub.request_id, BadRequest.code))
             return
         if b"\x00" in sub.payload:
@@ -242,7 +249,7 @@ class StdioBridge:
         prompt = sub.payload.decode("utf-8", "replace")
         request = AsyncExitStack()  # the stream block, left by _relay once the request is over
         try:
-            if prefill:
+            if isinstance(sub, mux.Prefill):
                 stream = self.engine.stream(prompt, max_tokens=1, slot=sub.slot, request_id=sub.request_id,
                                             prefill_only=True)
             else:
@@ -277,8 +284,7 @@ class StdioBridge:
                     if frame:
                         await self._write(frame)
                 elif isinstance(event, FinishEvent):
-                    if self.store is not None:
-                        await self._persist(sub.slot)  # before the turn's last line
+                    await self._persist(sub.slot)  # before the turn's last line
                     self._release(rid, sub.slot)  # the next command may use the slot at once
                     await self._write(self._finish(sub, event))
         finally:
@@ -286,9 +292,9 @@ class StdioBridge:
             await request.aclose()
 
     async def _persist(self, slot: int) -> None:
-        """KVSAVE the slot; a write that failed is also told to the server, counted
-        ([extension] `KVSAVE_FAIL <slot> <failures so far>`)."""
-        if not await self.store.persist(slot):
+        """KVSAVE the slot (when on); a write that failed is also told to the server,
+        counted ([extension] `KVSAVE_FAIL <slot> <failures so far>`)."""
+        if self.store is not None and not await self.store.persist(slot):
             await self._write(mux.encode_kvsave_fail(mux.KvSaveFail(slot, self.store.failures)))
 
     async def _slot_command(self, command: mux.Save | mux.Restore | mux.Erase):
@@ -315,8 +321,7 @@ class StdioBridge:
                 return mux.encode_saved(mux.Saved(rid, slot, f.tokens, f.bytes, f.ms))
             case mux.Restore(path=path):
                 f = await self.engine.restore_slot(slot, path)
-                if self.store is not None:
-                    await self._persist(slot)  # a restart finds what the slot holds now
+                await self._persist(slot)  # a restart finds what the slot holds now
                 return mux.encode_restored(mux.Restored(rid, slot, f.tokens, f.bytes, f.ms))
             case mux.Erase():
                 tokens = await self.engine.erase_slot(slot)
@@ -337,6 +342,7 @@ class StdioBridge:
             return mux.encode_error(rid, "CANCELLED")
         tail = mux.encode_data(rid, event.text_tail) if event.text_tail else b""
         report = event.report
+        assert report is not None  # the in-process engine reports every turn that was not cancelled
         self.experts.end_turn(report.entropy)
         p = report.perf
         perf = mux.encode_telemetry(

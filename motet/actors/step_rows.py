@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import numpy as np
+
+from ..runtime.api import GenerationRequest
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,24 @@ def sampled_rows(rows: list[SamplingRow], drawn, experts: np.ndarray) -> list[Sa
     ]
 
 
-def next_step_rows(unread: list, decoding: list, goes_on: Callable[[object], bool], max_context: int):
+class StepRow(Protocol):
+    """What a decode step reads of a request (the scheduler's Active)."""
+
+    slot: int
+    next_token: int | None
+    position: int
+    emitted: int
+
+    @property
+    def request(self) -> GenerationRequest: ...
+
+    def sampling_row(self) -> SamplingRow: ...
+
+
+Row = TypeVar("Row", bound=StepRow)
+
+
+def next_step_rows(unread: list[Row], decoding: list[Row], goes_on: Callable[[Row], bool], max_context: int):
     """The rows of the next decode step (the scheduler's Active requests) and the runner's
     arguments for them. unread: the rows of a step dispatched and not yet read back;
     those that go on (goes_on) are chained to it (their token is on the device), unless
@@ -90,6 +110,6 @@ def next_step_rows(unread: list, decoding: list, goes_on: Callable[[object], boo
     return rows, args
 
 
-def ends_at_unread_step(act, max_context: int) -> bool:
+def ends_at_unread_step(act: StepRow, max_context: int) -> bool:
     """Whether the unread step a request is in ends it for its length, whatever it samples."""
     return act.emitted + 1 >= act.request.max_tokens or act.position + 2 >= max_context

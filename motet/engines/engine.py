@@ -31,6 +31,7 @@ from ..model.detokenizer import IncrementalDetokenizer
 from ..model.kv import KV_DTYPE_CHOICES, KVGeometry
 from ..model.model import Model
 from ..model.sharding import MeshSpec
+from ..protocol.session_file import SessionHeader
 from ..runtime.actor import EventStream, open_reply, open_stream
 from ..runtime.api import (
     EngineStatistics,
@@ -111,7 +112,7 @@ class Engine(Service, Collected):
         self.heat_file: HeatFile | None = None
         self._expert_cache: ExpertCache | None = None
         self.model: Model | None = None
-        self.session_header = None  # what a session file must match (known once loaded)
+        self.session_header: SessionHeader | None = None  # what a session file must match (known once loaded)
         self._scheduler: Scheduler | None = None
         # Ids the engine picks live in the top half of u64, so they never meet the small
         # ids callers (and mux clients) choose themselves.
@@ -128,30 +129,30 @@ class Engine(Service, Collected):
         cache = self.compile_cache
         if cache == "auto":
             cache = current_compile_cache() or DEFAULT_COMPILE_CACHE
-        self._clock = StartupClock(cache)  # stopped in _closed_now
+        self._clock = clock = StartupClock(None if cache is None else Path(cache))  # stopped in _closed_now
         try:
-            await self._start(nursery)
+            await self._start(nursery, clock)
         except BaseException:
-            self._clock.stop()
+            clock.stop()
             raise
 
-    async def _start(self, nursery: trio.Nursery) -> None:
+    async def _start(self, nursery: trio.Nursery, clock: StartupClock) -> None:
         self.model = await trio.to_thread.run_sync(self._load)
         context = min(self.max_context, self.model.config.max_context)
         geo = KVGeometry(n_slots=self.kv_slots, max_context=context, chunk=self.prefill_chunk)
-        policy = await trio.to_thread.run_sync(self._plan_experts)
+        expert_plan, policy = await trio.to_thread.run_sync(self._plan_experts)
         runner = await trio.to_thread.run_sync(
-            partial(ModelRunner, self.model, geo, self.expert_plan,
+            partial(ModelRunner, self.model, geo, expert_plan,
                     prefetch=self.expert_settings.prefetch, rank=policy.rank() if policy else None,
                     mesh=self.mesh, mirror=self._mirror)
         )
-        self._clock.loaded = time.monotonic()
+        clock.loaded = time.monotonic()
         plan = self.warmup_plan(geo)
         if self.warm_up:
-            await trio.to_thread.run_sync(runner.warm_up, plan, self._clock.progress)
-        self._clock.warmed = time.monotonic()
+            await trio.to_thread.run_sync(runner.warm_up, plan, clock.progress)
+        clock.warmed = time.monotonic()
         if policy is not None:
-            self._expert_cache = ExpertCache(policy, tiered=self.expert_plan.mode == "tiered",
+            self._expert_cache = ExpertCache(policy, tiered=expert_plan.mode == "tiered",
                                              heat_file=self.heat_file)
             await nursery.start(self._expert_cache.run)
         slots = [KVSlot(i) for i in range(self.kv_slots)]
@@ -164,7 +165,7 @@ class Engine(Service, Collected):
         await nursery.start(self._watch_experts)
         self._nursery = nursery
         self.session_header = sessions.session_header(self.model, context)
-        self._clock.ready(len(plan.shapes) if self.warm_up else 0)
+        clock.ready(len(plan.shapes) if self.warm_up else 0)
 
     async def _watch_experts(self, *, task_status=trio.TASK_STATUS_IGNORED):
         channel = await self.telemetry(buffer=1024)
@@ -181,8 +182,8 @@ class Engine(Service, Collected):
 
     def warmup_plan(self, geo: KVGeometry) -> WarmupPlan:
         """The shapes this engine compiles before it is ready (once its model is known)."""
-        tiered = self.expert_plan is not None and self.expert_plan.mode == "tiered"
-        return WarmupPlan.of(geo, self.expert_plan.pool_slots if tiered else None)
+        plan = self.expert_plan
+        return WarmupPlan.of(geo, plan.pool_slots if plan is not None and plan.mode == "tiered" else None)
 
     def startup(self) -> StartupReport | None:
         """How this engine started (None before it is ready), with the executables
@@ -205,11 +206,25 @@ class Engine(Service, Collected):
         log.info("model ready in %.1f s", time.monotonic() - started)
         return model
 
-    def _plan_experts(self) -> ExpertPolicy | None:
+    def _plan_experts(self) -> tuple[ExpertPlan, ExpertPolicy | None]:
         """Resident or tiered, and the policy that keeps the heat (None for a dense
         model). A budget too small for the model raises ValueError here."""
-        self.model, self.expert_plan, self.heat_file, policy = plan_engine_experts(self.model, self.expert_settings)
-        return policy
+        self.model, self.expert_plan, self.heat_file, policy = plan_engine_experts(
+            self._loaded(), self.expert_settings)
+        return self.expert_plan, policy
+
+    def _loaded(self) -> Model:
+        """The model, once start() has loaded it."""
+        if self.model is None:
+            raise RuntimeError("the engine has not started")
+        return self.model
+
+    def _header(self) -> SessionHeader:
+        """What a session file must match, once start() is done; before, a slot command
+        is refused as a request is (EngineClosed)."""
+        if self.session_header is None:
+            raise EngineClosed()
+        return self.session_header
 
     async def _close(self) -> None:
         await self.drain()  # requests in flight finish first
@@ -244,8 +259,9 @@ class Engine(Service, Collected):
 
     @property
     def name(self) -> str:
-        """The model's name, as the HTTP server's `model` field shows it."""
-        return self.model.name
+        """The model's name, as the HTTP server's `model` field shows it ("" before start,
+        as the other engines say it)."""
+        return self.model.name if self.model is not None else ""
 
     def statistics(self) -> EngineStatistics:
         """Requests running and waiting now (a snapshot; the scheduler's own counts)."""
@@ -256,11 +272,11 @@ class Engine(Service, Collected):
 
     @property
     def tokenizer(self):
-        return self.model.tokenizer
+        return self._loaded().tokenizer
 
     def decode(self, ids) -> str:
         """The text a stream gives for `ids` (the same detokenizer, token by token)."""
-        detok = IncrementalDetokenizer(self.model.tokenizer)
+        detok = IncrementalDetokenizer(self._loaded().tokenizer)
         return "".join(detok.push(t) for t in ids) + detok.flush()
 
     def encode(self, prompt: str | list[int] | tuple[int, ...]) -> tuple[int, ...]:
@@ -270,7 +286,7 @@ class Engine(Service, Collected):
             prompt.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate: no text a tokenizer can read
             raise BadRequest("the prompt is not valid Unicode text (it holds a lone surrogate)") from None
-        return tuple(self.model.tokenizer.encode_prompt(prompt))
+        return tuple(self._loaded().tokenizer.encode_prompt(prompt))
 
     @asynccontextmanager
     async def stream(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0,
@@ -306,7 +322,7 @@ class Engine(Service, Collected):
                             pass
 
     def render_chat(self, messages: list[dict]) -> str:
-        return self.model.render_chat(messages, add_generation_prompt=True)
+        return self._loaded().render_chat(messages, add_generation_prompt=True)
 
     async def cancel(self, request_id: int) -> None:
         """Cancel a request in flight; NotFound when there is none with this id."""
@@ -323,12 +339,12 @@ class Engine(Service, Collected):
     async def save_slot(self, slot: int, path: str | Path) -> SlotFile:
         """Write the slot's tokens and KV to a session file (atomically). The slot must be
         idle (SlotBusy otherwise); other slots keep decoding meanwhile."""
-        return await sessions.save_slot(self._ask, self.session_header, slot, Path(path))
+        return await sessions.save_slot(self._ask, self._header(), slot, Path(path))
 
     async def restore_slot(self, slot: int, path: str | Path) -> SlotFile:
         """Load a session file into an idle slot. A file made under other settings, or
         damaged, raises SessionError with the reason, and the slot keeps what it held."""
-        return await sessions.restore_slot(self._ask, self.session_header, slot, Path(path))
+        return await sessions.restore_slot(self._ask, self._header(), slot, Path(path))
 
     async def erase_slot(self, slot: int) -> int:
         """Forget an idle slot's history; the number of tokens it held."""
@@ -354,7 +370,9 @@ class Engine(Service, Collected):
     def expert_tiers(self) -> ExpertTiers:
         """Where the experts are now (after the last step): per (MoE layer, expert) its
         tier, counts and bytes per tier, pool hits and prefetch accuracy so far."""
-        return self._experts.tiers
+        tiers = self._experts.tiers
+        assert tiers is not None  # set from the runner's at start; a step only ever replaces them
+        return tiers
 
     async def save_expert_heat(self):
         """Write the heat file now (it is also written at turn ends, at most every 30 s,

@@ -27,8 +27,9 @@ class ChildReport:
             self.gpus = tuple((float(fields[i]), float(fields[i + 1]), int(fields[i + 2]))
                               for i in range(1, 1 + 3 * int(fields[0]), 3))
         elif kind == "REPIN":
+            a, b, c, d = map(int, fields[:4])  # too few: a ValueError, the line skipped
             for stream in (s for s in streams.values() if s.slot is not None):
-                stream.repin.append(tuple(map(int, fields[:4])))
+                stream.repin.append((a, b, c, d))
         elif kind in ("EMAP", "HITS"):
             rows, cols, bits = int(fields[0]), int(fields[1]), bytes.fromhex(fields[2])
             self.experts = (ExpertState(rows, cols, bits, x.hits, x.seq, x.entropy) if kind == "EMAP"

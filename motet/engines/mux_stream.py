@@ -18,7 +18,16 @@ from ..model.errors import ModelError
 from ..protocol import mux
 from ..protocol.session_file import SessionError
 from ..runtime.actor import open_stream
-from ..runtime.api import FinishEvent, GenerationRequest, Perf, TokenEvent, TopCandidate, TurnReport, TurnStats
+from ..runtime.api import (
+    FinishEvent,
+    FinishReason,
+    GenerationRequest,
+    Perf,
+    TokenEvent,
+    TopCandidate,
+    TurnReport,
+    TurnStats,
+)
 from ..runtime.errors import BadRequest, ContextExceeded, DuplicateId, EmptyPrompt, EngineClosed, EngineError, SlotBusy
 
 if TYPE_CHECKING:
@@ -121,8 +130,9 @@ class MuxStream:
         self.answer = bytearray()  # all its text, for the slot's history
         self.turn: mux.Turn | None = None
         self.perf: Perf | None = None
-        self.entropy_gpus: tuple = ((), ())  # the ENTROPY and GPUS lines of its turn
-        self.repin: list[tuple[int, ...]] = []
+        # the ENTROPY and GPUS lines of its turn
+        self.entropy_gpus: tuple[tuple[float, ...], tuple[tuple[float, float, int], ...]] = ((), ())
+        self.repin: list[tuple[int, int, int, int]] = []
         self.ended = trio.Event()  # its last frame has come
         self.cancelled = False  # its caller left it: CANCEL sent, the slot busy until CANCELLED
         self._engine = engine
@@ -183,7 +193,8 @@ class MuxStream:
         return False
 
     def _token(self, text: str, candidates=()) -> bool:
-        n, logprob, top = self.request.top_logprobs, None, ()
+        n, logprob = self.request.top_logprobs, None
+        top: tuple[TopCandidate, ...] = ()
         if n and candidates:
             cands = [TopCandidate(None, raw.decode("utf-8", "replace"), lp) for lp, raw in candidates]
             top = tuple(cands[:n])
@@ -200,8 +211,8 @@ class MuxStream:
             # back) is the tail, as the in-process Engine releases it.
             tail, matched = self._stops.push(self._utf8.decode(b"", final=True) + (self._held or ""))
             tail += "" if matched else self._stops.flush()
-        reason = ("stop" if self._stopped else "cancelled" if done is None
-                  else "length" if done.length_limited else "stop")
+        reason: FinishReason = ("stop" if self._stopped else "cancelled" if done is None
+                                else "length" if done.length_limited else "stop")
         start = self.sent_at or self.ended_at  # one cancelled while it waited was never sent
         stats = TurnStats(
             self.request_id, turn.slot if turn else -1 if self.slot is None else self.slot, reason,
@@ -213,5 +224,7 @@ class MuxStream:
         )
         if done is None:
             return FinishEvent(stats)
+        # the REPIN entries as the child wrote them (four fields on a well-formed line),
+        # passed on unchecked: mux_report reads them as tuples of any length
         report = TurnReport(self.perf or Perf(dt=stats.total_s), *self.entropy_gpus, tuple(self.repin))
         return FinishEvent(stats, tail, None, report)

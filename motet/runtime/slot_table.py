@@ -36,7 +36,7 @@ class SlotView:
 
     index: int
     busy: bool
-    history: tuple[int, ...]
+    history: Sequence  # token ids, or text where the keeper sees only text (SlotTable)
     last_used: int  # a counter: larger is more recent
 
 

@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, TypeVar
 
 import trio
 
@@ -44,6 +44,7 @@ from .frame_io import (
 log = logging.getLogger("motet.wire.worker")
 
 ROLES = {"mono": K_GEN, "prefill": K_PREFILL, "decode": K_DECODE}  # the one kind each answers
+_Default = TypeVar("_Default")
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ class Sampling:
                 raise WireError(f"{key}: not a number")
             return number
 
-        def whole(key: str, default: int | None) -> int | None:
+        def whole(key: str, default: _Default) -> int | _Default:
             return msg.number(key) if msg.get(key) is not None else default
 
         sampling = cls(max_tokens=whole("max_tokens", cls.max_tokens), temperature=real("temperature", cls.temperature),
@@ -232,7 +233,8 @@ class Worker:
         return handover
 
     async def generate_rest(self, prompt, slot: int, sampling: Sampling, handover: Handover):
-        ids, finish, reused = (), "stop", 0
+        ids: tuple[int, ...] = ()
+        finish, reused = "stop", 0
         if handover.first is not None:
             ids, finish = (handover.first,), "length"
             if sampling.max_tokens > 1 and len(prompt) + 1 < self.header.max_context:
