@@ -10,7 +10,7 @@ from .mux_stream import MuxStream
 
 
 class ChildReport:
-    def __init__(self):
+    def __init__(self) -> None:
         self.experts = ExpertState(0, 0, b"", b"", 0, ())
         self.gpus: tuple[tuple[float, float, int], ...] = ()
         self.ready_s: float | None = None  # from spawning the child to its READY
