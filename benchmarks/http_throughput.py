@@ -125,7 +125,7 @@ async def bench(model, clients: int, tokens: int, rounds: int, engine_cmd: str |
                 model_path=None) -> dict:
     """`model`: a loaded Model for the in-process Engine (None with `engine_cmd`)."""
     from motet.http.serve import open_engine, serve_app
-    from motet.http.settings import ServeSettings
+    from motet.runtime.serve_settings import ServeSettings
 
     out = {"direct": [], "http": []}
     settings = ServeSettings(port=0, kv_slots=16, max_context=1024, queue_limit=clients,

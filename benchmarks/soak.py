@@ -286,7 +286,7 @@ async def soak(engine, settings, *, requests: int, concurrency: int, seed: int =
 
 async def run_target(target: str, args) -> dict:
     from motet.cli.compose import open_engine
-    from motet.http.settings import ServeSettings
+    from motet.runtime.serve_settings import ServeSettings
 
     common = dict(port=0, kv_slots=args.kv_slots, max_context=args.max_context, queue_limit=64,
                   max_body_bytes=args.max_body_bytes)

@@ -19,11 +19,12 @@ import pytest
 import trio
 from conftest import GOLDEN, REPO
 
-from motet.actors.device_group import DistributedSettings
 from motet.cli import main
+from motet.cli.config import distributed_settings
 from motet.engines.engine import Engine
 from motet.protocol import mux
 from motet.runtime.addresses import format_address, parse_address
+from motet.runtime.config import DistributedSettings
 
 PROMPT = b"<|im_start|>user\nTell me about the sea.<|im_end|>\n<|im_start|>assistant\n"
 NEXT = b"<|im_end|>\n<|im_start|>user\nAnd the mountains?<|im_end|>\n<|im_start|>assistant\n"
@@ -41,13 +42,13 @@ def flags(coordinator=None, num_processes=None, process_id=None) -> Namespace:
 
 
 def test_no_flags_is_one_process():
-    assert DistributedSettings.from_args(flags(), {}) is None
+    assert distributed_settings(flags(), {}) is None
 
 
 def test_flags_and_environment():
     env = {"MOTET_COORDINATOR": "10.0.0.1:1234", "MOTET_NUM_PROCESSES": "4", "MOTET_PROCESS_ID": "3"}
-    assert DistributedSettings.from_args(flags(), env) == DistributedSettings("10.0.0.1:1234", 4, 3)
-    ours = DistributedSettings.from_args(flags("host-a:99", None, 0), env)  # flags win
+    assert distributed_settings(flags(), env) == DistributedSettings("10.0.0.1:1234", 4, 3)
+    ours = distributed_settings(flags("host-a:99", None, 0), env)  # flags win
     assert ours == DistributedSettings("host-a:99", 4, 0) and ours.leader
 
 
@@ -67,12 +68,12 @@ def test_flags_and_environment():
 ])
 def test_refusals(given, words):
     with pytest.raises(ValueError, match=words):
-        DistributedSettings.from_args(given, {})
+        distributed_settings(given, {})
 
 
 def test_a_bad_variable_is_named():
     with pytest.raises(ValueError, match="MOTET_PROCESS_ID must be an integer, got 'one'"):
-        DistributedSettings.from_args(flags("h:1", 2), {"MOTET_PROCESS_ID": "one"})
+        distributed_settings(flags("h:1", 2), {"MOTET_PROCESS_ID": "one"})
 
 
 def test_addresses():

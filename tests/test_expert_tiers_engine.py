@@ -177,10 +177,11 @@ def test_mux_refuses_a_cap_below_top_k_at_start():
 
 
 def test_mux_expert_settings_come_from_the_cap_the_environment_and_flags():
-    from motet.cli import MuxSettings, build_parser
+    from motet.cli import build_parser
+    from motet.cli.config import mux_settings
 
     def settings(argv, env=None):
-        return MuxSettings.from_args(build_parser().parse_args(["mux", *argv]), env or {}).experts
+        return mux_settings(build_parser().parse_args(["mux", *argv]), env or {}).experts
 
     assert settings([]) == ExpertSettings()  # auto, no budget: resident
     assert settings(["0"]).device_experts_per_layer is None  # 0: no limit

@@ -44,11 +44,11 @@ from test_session_file import HEADER
 
 from motet.engines.mux_engine import MuxEngine
 from motet.http.openai_schema import ROLES, InvalidRequest, Limits, parse_chat, parse_completion
-from motet.http.settings import ServeSettings
 from motet.model.chat_template import ChatTemplateError
 from motet.model.loader import load_chat
 from motet.protocol import legacy, mux, wire
 from motet.protocol.session_file import SessionError, read_session
+from motet.runtime.serve_settings import ServeSettings
 
 CORPUS = Path(__file__).resolve().parent / "corpus"
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))

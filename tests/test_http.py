@@ -33,8 +33,8 @@ from conftest import COMPILE_CACHE, GOLDEN, MUX_COMMAND, REPO, metric
 from motet.cli.compose import open_engine
 from motet.engines.engine import Engine
 from motet.http.serve import serve_app
-from motet.http.settings import ServeSettings
 from motet.runtime.config import ExpertSettings
+from motet.runtime.serve_settings import ServeSettings
 
 # as tests/test_engine.py, without the warm-up (tests/test_warm_start.py covers it)
 TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16, warm_up=False)

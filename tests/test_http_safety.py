@@ -18,7 +18,7 @@ import trio
 from conftest import GOLDEN, REPO
 from test_http import HELLO, TIMEOUT, in_thread, metric, sync_client, tiny_server, wait_until
 
-from motet.http.settings import ServeSettings
+from motet.runtime.serve_settings import ServeSettings
 
 KEY = "s3cret-key"
 

@@ -18,8 +18,8 @@ from test_http import TIMEOUT, tiny_server
 
 from motet.cli import build_parser
 from motet.http.openai_schema import InvalidRequest
-from motet.http.settings import ServeSettings
 from motet.http.slots import FILENAME_PATTERN, MAX_FILENAME_BYTES, check_filename
+from motet.runtime.serve_settings import ServeSettings
 
 serve_tiny = test_http.serve_tiny  # the fixture: the server on either backend
 

@@ -14,7 +14,7 @@ from test_http import MUX_CMD, TIMEOUT
 
 from motet.cli.compose import open_engine
 from motet.engines.engine import Engine
-from motet.http.settings import ServeSettings
+from motet.runtime.serve_settings import ServeSettings
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from soak import soak  # noqa: E402

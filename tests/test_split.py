@@ -383,7 +383,7 @@ async def test_serve_split_answers_over_http_and_reports_handovers(tiny_model):
 
     from motet.cli.compose import open_engine
     from motet.http.serve import serve_app
-    from motet.http.settings import ServeSettings
+    from motet.runtime.serve_settings import ServeSettings
 
     settings = ServeSettings(port=0, model_path=LLAMA, engine_cmd=shlex.join(MUX_COMMAND),
                              split=SplitSettings(min_prompt_tokens=MIN), **GEOMETRY)

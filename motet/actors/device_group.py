@@ -1,6 +1,6 @@
 """Several processes (or hosts) as one engine, through `jax.distributed`.
 
-    settings = DistributedSettings.from_args(args, os.environ)   # None: one process
+    settings = config.group   # a DistributedSettings (cli/config.py); None: one process
     with join_group(settings, mesh) as group:   # jax.distributed.initialize, first of all
         if group.leader: ... the engine, its runner sending each device call: group.send
         else: ... follow(model, group.receive) until STOP
@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..protocol.mirror import Op, encode, join, parts_in, split
-from ..runtime.addresses import parse_address
+from ..runtime.config import DistributedSettings
 
 log = logging.getLogger(__name__)
 
@@ -39,55 +39,6 @@ SHUTDOWN_TIMEOUT_S = 30  # the leaving barrier waits this long for the others
 POLL_MS = 60_000  # a follower's wait for the next op, renewed while the leader is idle
 KEY_PREFIX = "motet/op"
 BATCH = 256  # frames per key folder: a follower deletes a folder at once when it has read it
-
-
-@dataclass(frozen=True)
-class DistributedSettings:
-    """Where the group meets and who this process is in it."""
-
-    coordinator: str  # HOST:PORT of process 0's coordination service
-    num_processes: int
-    process_id: int
-
-    def __post_init__(self):
-        if isinstance(self.num_processes, bool) or not isinstance(self.num_processes, int) \
-                or self.num_processes < 1:
-            raise ValueError(f"the number of processes must be a positive integer, got {self.num_processes!r}")
-        if isinstance(self.process_id, bool) or not isinstance(self.process_id, int) \
-                or not 0 <= self.process_id < self.num_processes:
-            raise ValueError(f"the process id must be in [0, {self.num_processes - 1}] for "
-                             f"{self.num_processes} processes, got {self.process_id!r}")
-        parse_address(self.coordinator, "the coordinator address")
-
-    @classmethod
-    def from_args(cls, args, env) -> DistributedSettings | None:
-        """From --coordinator, --num-processes, --process-id (flags win over MOTET_COORDINATOR,
-        MOTET_NUM_PROCESSES, MOTET_PROCESS_ID); None when none is given."""
-        given = {}
-        for flag, name in (("coordinator", "MOTET_COORDINATOR"), ("num_processes", "MOTET_NUM_PROCESSES"),
-                           ("process_id", "MOTET_PROCESS_ID")):
-            value = getattr(args, flag, None)
-            if value is None and env.get(name, "").strip():
-                value = env[name].strip()
-                if flag != "coordinator":
-                    try:
-                        value = int(value)
-                    except ValueError:
-                        raise ValueError(f"{name} must be an integer, got {env[name]!r}") from None
-            if value is not None:
-                given[flag] = value
-        if not given:
-            return None
-        missing = [f"--{flag.replace('_', '-')}" for flag in ("coordinator", "num_processes", "process_id")
-                   if flag not in given]
-        if missing:
-            raise ValueError(f"several processes need --coordinator, --num-processes and --process-id "
-                             f"together (or their MOTET_ variables); missing: {', '.join(missing)}")
-        return cls(**given)
-
-    @property
-    def leader(self) -> bool:
-        return self.process_id == 0
 
 
 def frame_key(follower: int, n: int) -> str:

@@ -1,4 +1,5 @@
-"""The `motet` command: builds settings from flags and composes the parts.
+"""The `motet` command: builds its Config from the flags and the environment (once, in
+cli/config.py) and composes the parts.
 
 stdout carries only what the user asked for (answers, info); logs go to stderr.
 """
@@ -6,10 +7,10 @@ stdout carries only what the user asked for (answers, info); logs go to stderr.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from .commands import (
-    MuxSettings,  # noqa: F401 - part of the command's face (tests, servers)
     cmd_chat,
     cmd_info,
     cmd_mux,
@@ -17,6 +18,7 @@ from .commands import (
     cmd_worker,
     in_group,
 )
+from .config import build_config
 from .flags import build_parser
 
 COMMANDS = {"chat": cmd_chat, "info": cmd_info, "mux": in_group(cmd_mux), "serve": in_group(cmd_serve),
@@ -38,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..model.errors import ModelError
 
     try:
-        return COMMANDS[args.command](args)
+        return COMMANDS[args.command](build_config(args, os.environ))
     except (ModelError, ValueError) as exc:
         print(f"motet: error: {exc}", file=sys.stderr)
         return 2

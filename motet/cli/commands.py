@@ -1,16 +1,14 @@
-"""Each command: its settings from the flags, then the parts it runs."""
+"""Each command: the parts it runs, with its Config (cli/config.py built it)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
-from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..actors.device_group import DistributedSettings, join_group
-from ..runtime.config import ExpertSettings, ModelSettings, SamplingSettings
-from .flags import expert_settings, model_settings, sampling_settings
+from ..actors.device_group import join_group
+from ..runtime.config import Config, ModelSettings, SamplingSettings
 
 log = logging.getLogger("motet")
 
@@ -27,13 +25,13 @@ def open_model(settings: ModelSettings, lazy_experts: bool = False):
                       kv_dtype=settings.kv_dtype)
 
 
-def cmd_info(args) -> int:
+def cmd_info(config: Config) -> int:
     from ..actors.warmup import WarmupPlan
     from ..engines.engine import PREFILL_CHUNK
     from ..model.kv import KVGeometry, kv_bytes_per_position
     from ..model.loader import kernel_name
 
-    model = open_model(model_settings(args))
+    model = open_model(config.model)
     info = model.info()
     formats = info.pop("tensor_formats")
     width = max(map(len, info))
@@ -44,13 +42,14 @@ def cmd_info(args) -> int:
         print(f"  {group:<16} {'+'.join(g['formats']):<12} {g['values']:>12,} values {g['bytes']:>14,} bytes "
               f"({8 * g['bytes'] / g['values']:.2f} bits each)")
     print(f"bytes read per decode token: {info['decode_bytes'] / 1e6:.1f} MB of weights")
-    context = min(args.max_context or 4096, model.config.max_context)
-    geo = KVGeometry(n_slots=args.kv_slots, max_context=context, chunk=PREFILL_CHUNK)
+    slots = config.kv_slots
+    context = min(config.model.max_context or 4096, model.config.max_context)
+    geo = KVGeometry(n_slots=slots, max_context=context, chunk=PREFILL_CHUNK)
     per_position = kv_bytes_per_position(model.config, model.kv_dtype)
-    kv_mb = per_position * geo.length * (args.kv_slots + 1) / 1e6
-    print(f"KV cache: {model.kv_dtype}, {per_position:,} bytes a position; {args.kv_slots} slots of {context} "
+    kv_mb = per_position * geo.length * (slots + 1) / 1e6
+    print(f"KV cache: {model.kv_dtype}, {per_position:,} bytes a position; {slots} slots of {context} "
           f"(and a scratch slot, {geo.length} positions each): {kv_mb:.1f} MB")
-    print(f"compiled before ready ({args.kv_slots} KV slots, context {context}, prefill chunks of "
+    print(f"compiled before ready ({slots} KV slots, context {context}, prefill chunks of "
           f"{PREFILL_CHUNK}; experts resident):")
     for line in WarmupPlan.of(geo).describe():
         print(f"  {line}")
@@ -78,12 +77,13 @@ def _answer(model, messages: list[dict], sampling: SamplingSettings) -> str:
     return "".join(parts)
 
 
-def cmd_chat(args) -> int:
-    sampling = sampling_settings(args)
-    model = open_model(model_settings(args))
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    if args.prompt is not None:
-        _answer(model, messages + [{"role": "user", "content": args.prompt}], sampling)
+def cmd_chat(config: Config) -> int:
+    assert config.chat is not None  # a chat command's config has its part
+    sampling, chat = config.sampling, config.chat
+    model = open_model(config.model)
+    messages = [{"role": "system", "content": chat.system}] if chat.system else []
+    if chat.prompt is not None:
+        _answer(model, messages + [{"role": "user", "content": chat.prompt}], sampling)
         return 0
     interactive = sys.stdin.isatty()
     while True:
@@ -99,66 +99,10 @@ def cmd_chat(args) -> int:
         messages.append({"role": "assistant", "content": _answer(model, messages, sampling)})
 
 
-def _snap_path(snap: str) -> Path:
-    """SNAP: a .gguf file, a directory holding one, or a Hugging Face model directory."""
-    path = Path(snap)
-    if path.is_dir() and not (path / "config.json").exists():
-        ggufs = sorted(path.glob("*.gguf"))
-        if ggufs:
-            return ggufs[0]
-    return path
-
-
 SHUTDOWN_GRACE_S = 5.0  # after SIGTERM/SIGINT, requests in flight get this long to finish
-DEFAULT_KV_SAVE_DIR = Path.home() / ".cache" / "motet" / "sessions"
 
 
-@dataclass(frozen=True)
-class MuxSettings:
-    """`motet mux`'s settings: the environment a server sets, the flags winning."""
-
-    model: Path | None
-    legacy: bool  # SERVE=1 without SERVE_BATCH=1
-    kv_slots: int
-    context: int
-    topk: bool
-    ngen: int
-    kv_save_dir: Path | None  # KVSAVE: each slot's session persists here; None: KVSAVE=0
-    experts: ExpertSettings = ExpertSettings()
-
-    @classmethod
-    def from_args(cls, args, env) -> MuxSettings:
-        def number(name: str, flag, default: int) -> int:
-            if flag is not None:
-                return flag
-            try:
-                return int(env.get(name, default))
-            except ValueError:
-                raise ValueError(f"{name} must be an integer, got {env[name]!r}") from None
-
-        return cls(
-            model=args.model or (_snap_path(env["SNAP"]) if env.get("SNAP") else None),
-            legacy=env.get("SERVE") == "1" and env.get("SERVE_BATCH") != "1" and not args.batch,
-            kv_slots=number("KV_SLOTS", args.kv_slots, 1),
-            context=number("CTX", args.max_context, 4096),
-            topk=args.topk if args.topk is not None else env.get("SERVE_TOPK") == "1",
-            ngen=number("NGEN", args.ngen, 256),
-            kv_save_dir=cls._kv_save_dir(args, env),
-            experts=expert_settings(args, env),
-        )
-
-    @staticmethod
-    def _kv_save_dir(args, env) -> Path | None:
-        """KVSAVE=1 (the default) or 0; the folder from --kv-save-dir, else KVSAVE_DIR."""
-        kvsave = env.get("KVSAVE", "1").strip() or "1"
-        if kvsave not in ("0", "1"):
-            raise ValueError(f"KVSAVE must be 0 or 1, got {env['KVSAVE']!r}")
-        if kvsave == "0":
-            return None
-        return args.kv_save_dir or (Path(env["KVSAVE_DIR"]) if env.get("KVSAVE_DIR") else DEFAULT_KV_SAVE_DIR)
-
-
-def cmd_mux(args, mirror=None) -> int:
+def cmd_mux(config: Config, mirror=None) -> int:
     """mirror: on process 0 of a group, where the runner sends its device calls."""
     import trio
 
@@ -166,10 +110,8 @@ def cmd_mux(args, mirror=None) -> int:
     from ..actors.stdio_bridge import BridgeSettings, StdioBridge
     from ..engines.engine import Engine
 
-    mux = MuxSettings.from_args(args, os.environ)
-    if not 1 <= mux.kv_slots <= 16:
-        raise ValueError(f"KV_SLOTS must be in [1, 16], got {mux.kv_slots}")
-    settings = model_settings(args)
+    assert config.mux is not None  # a mux command's config has its part
+    mux, settings = config.mux, config.model
     from ..model.compilation import use_compile_cache
 
     use_compile_cache(settings.compile_cache)
@@ -180,13 +122,13 @@ def cmd_mux(args, mirror=None) -> int:
     from ..model import ModelError, ModelFileError, UnsupportedModelError, load_model
 
     try:
-        loaded = load_model(mux.model, dtype=args.dtype, mesh=args.mesh, kv_dtype=args.kv_dtype,
-                            lazy_experts=mux.experts.mode != "resident" and args.mesh is None)
+        loaded = load_model(settings.path, dtype=settings.dtype, mesh=settings.mesh, kv_dtype=settings.kv_dtype,
+                            lazy_experts=mux.experts.mode != "resident" and settings.mesh is None)
     except (ModelError, OSError, MemoryError) as exc:
         # An extension servers may read instead of READY; the reason also goes to stderr.
         kind = ("nomem" if isinstance(exc, MemoryError)
                 else "unsupported" if isinstance(exc, UnsupportedModelError)
-                else "format" if isinstance(exc, ModelFileError) and Path(str(mux.model or "")).exists()
+                else "format" if isinstance(exc, ModelFileError) and Path(str(settings.path or "")).exists()
                 else "io")
         detail = " ".join(str(exc).split())
         os.write(protocol_fd, f"LOAD_FAIL kind={kind} {detail}\n".encode())
@@ -194,14 +136,14 @@ def cmd_mux(args, mirror=None) -> int:
         return 2
 
     async def serve():
-        kv_slots = 1 if mux.legacy else mux.kv_slots
-        async with Engine(loaded, kv_slots=kv_slots, max_context=mux.context, experts=mux.experts,
-                          mesh=args.mesh, mirror=mirror, compile_cache=settings.compile_cache,
-                          warm_up=args.warm_up) as engine:
+        async with Engine(loaded, kv_slots=config.kv_slots, max_context=mux.context, experts=mux.experts,
+                          mesh=settings.mesh, mirror=mirror, compile_cache=settings.compile_cache,
+                          warm_up=config.warm_up) as engine:
             stdin = trio.lowlevel.FdStream(os.dup(0))
             stdout = trio.lowlevel.FdStream(protocol_fd)
             if mux.legacy:
-                sampling = LegacySettings(ngen=mux.ngen, temperature=args.temperature, top_p=args.top_p)
+                sampling = LegacySettings(ngen=mux.ngen, temperature=config.sampling.temperature,
+                                          top_p=config.sampling.top_p)
                 bridge = LegacyBridge(engine, sampling, stdin, stdout)
             else:
                 bridge = StdioBridge(engine, BridgeSettings(topk=mux.topk, kv_save_dir=mux.kv_save_dir),
@@ -233,60 +175,46 @@ async def _stop_on_signal(intake, scope):
                 intake.shutdown(SHUTDOWN_GRACE_S)
 
 
-def cmd_serve(args, mirror=None) -> int:
-    from ..http.settings import ServeSettings
-    from ..runtime.split_settings import SplitSettings
+def cmd_serve(config: Config, mirror=None) -> int:
     from .compose import run_serve
 
-    extra = {"web_dir": args.web_dir} if args.web_dir is not None else {}
-    settings = ServeSettings(
-        host=args.host, port=args.port, kv_slots=args.kv_slots, max_context=args.max_context or 4096,
-        queue_limit=args.queue_limit, api_key=args.api_key or os.environ.get("MOTET_API_KEY") or None,
-        allow_insecure_bind=args.allow_insecure_bind, cors_origins=tuple(args.cors_origin),
-        max_body_bytes=args.max_body_bytes, engine_cmd=args.engine_cmd, model_path=args.model,
-        slot_save_path=args.slot_save_path, experts=expert_settings(args, os.environ), **extra,
-        split=SplitSettings.from_json(args.split) if args.split is not None else None,
-        send_timeout_s=args.send_timeout, compile_cache=model_settings(args).compile_cache, warm_up=args.warm_up,
-    )  # checked (e.g. no key on a public address) before the model loads
+    settings = config.serve
+    assert settings is not None  # a serve command's config has its part
     lazy = settings.experts.mode != "resident"  # tiered or not is decided once the model is known
-    in_process = args.engine_cmd is None and settings.split is None
-    model = open_model(model_settings(args), lazy) if in_process else None
+    in_process = settings.engine_cmd is None and settings.split is None
+    model = open_model(config.model, lazy) if in_process else None
     return run_serve(settings, model, mirror)
 
 
-def cmd_worker(args) -> int:
+def cmd_worker(config: Config) -> int:
     from .compose import run_worker
 
-    return run_worker(args, model_settings(args).compile_cache)
+    return run_worker(config)
 
 
 def in_group(command):
-    """The command as one process of a group when the flags (or MOTET_ variables) name one:
-    jax.distributed first of all, then process 0 runs `command(args, mirror)` and the
-    others follow it (docs/scaling.md)."""
+    """The command as one process of a group when its config names one (the flags or
+    MOTET_ variables): jax.distributed first of all, then process 0 runs
+    `command(config, mirror)` and the others follow it (docs/scaling.md)."""
 
-    def run(args) -> int:
-        group_settings = DistributedSettings.from_args(args, os.environ)
-        if group_settings is None:
-            return command(args)
-        if getattr(args, "engine_cmd", None) is not None or getattr(args, "split", None) is not None:
+    def run(config: Config) -> int:
+        if config.group is None:
+            return command(config)
+        if config.serve is not None and (config.serve.engine_cmd is not None or config.serve.split is not None):
             raise ValueError("a group of processes serves with the in-process engine: "
                              "leave out --engine-cmd and --split")
-        with join_group(group_settings, args.mesh) as group:
+        with join_group(config.group, config.model.mesh) as group:
             if group.leader:
-                return command(args, group.send)
-            return follow_leader(args, group)
+                return command(config, group.send)
+            return follow_leader(config.model, group)
 
     return run
 
 
-def follow_leader(args, group) -> int:
+def follow_leader(model: ModelSettings, group) -> int:
     """A process > 0 of a group: the model loaded as process 0 loads it, then process 0's
     device calls, repeated until it stops."""
     from ..actors.follower import follow
 
-    settings = model_settings(args)
-    if args.command == "mux":  # mux loads SNAP (or --model) at the model's own context
-        settings = replace(settings, path=MuxSettings.from_args(args, os.environ).model, max_context=None)
-    follow(open_model(settings), group.receive)
+    follow(open_model(model), group.receive)
     return 0

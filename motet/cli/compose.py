@@ -8,15 +8,15 @@ import signal
 import sys
 from contextlib import asynccontextmanager
 from functools import partial
-from pathlib import Path
 
 import trio
 
 from ..engines.restarting import RestartingEngine
 from ..http.serve import banner, serve_app, wait_for_signal
-from ..http.settings import ServeSettings
+from ..runtime.config import Config, WorkerSettings
 from ..runtime.groups import sole, sole_error
-from ..wire.worker import Worker, WorkerSettings
+from ..runtime.serve_settings import ServeSettings
+from ..wire.worker import Worker
 
 log = logging.getLogger("motet")
 
@@ -90,15 +90,15 @@ def run_serve(settings: ServeSettings, model=None, mirror=None) -> int:
 # ---- motet worker --------------------------------------------------------------------
 
 
-def run_worker(args, compile_cache: Path | None) -> int:
-    settings = WorkerSettings(role=args.role, listen=args.listen, request_wait=args.request_wait,
-                              prefill=args.prefill)
-    engine = dict(kv_slots=args.kv_slots, max_context=args.max_context or 4096, dtype=args.dtype,
-                  kv_dtype=args.kv_dtype, mesh=args.mesh,
-                  compile_cache=compile_cache, warm_up=args.warm_up)
+def run_worker(config: Config) -> int:
+    settings, model = config.worker, config.model
+    assert settings is not None  # a worker command's config has its part
+    engine = dict(kv_slots=config.kv_slots, max_context=model.max_context or 4096, dtype=model.dtype,
+                  kv_dtype=model.kv_dtype, mesh=model.mesh, compile_cache=model.compile_cache,
+                  warm_up=config.warm_up)
     try:
         with sole_error():
-            trio.run(serve_worker, args.model, engine, settings)
+            trio.run(serve_worker, model.path, engine, settings)
     except OSError as exc:  # the address is taken or not ours
         print(f"motet: error: {exc}", file=sys.stderr)
         return 2

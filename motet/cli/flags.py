@@ -1,13 +1,12 @@
-"""The command's flags, and the settings they build (with the environment where a flag
-is not given)."""
+"""The command's flags (cli/config.py builds the Config from them, with the environment
+where a flag is not given)."""
 
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
-from ..runtime.config import DEFAULT_COMPILE_CACHE, EXPERT_MODES, ExpertSettings, ModelSettings, SamplingSettings
+from ..runtime.config import EXPERT_MODES
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -23,10 +22,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="the KV cache's element type (auto: float16 under quantized weights, as "
                         "llama.cpp's cache; otherwise the weights' dtype)")
     p.add_argument("--max-context", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--compile-cache", type=Path,
-                   default=Path(os.environ.get("MOTET_COMPILE_CACHE", DEFAULT_COMPILE_CACHE)),
+    p.add_argument("--compile-cache", type=Path, default=None,
                    help="JAX's persistent compilation cache (MOTET_COMPILE_CACHE; '' turns it off)")
-    p.add_argument("--mesh", default=os.environ.get("MOTET_MESH") or None, metavar="ep=N,tp=M",
+    p.add_argument("--mesh", default=None, metavar="ep=N,tp=M",
                    help="shard the model over this process's devices: experts along ep, heads and FFN "
                    "widths along tp (MOTET_MESH; docs/scaling.md)")
 
@@ -63,30 +61,6 @@ def _add_expert_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-policy", choices=("heat", "lru"), default=None, help="EXPERT_POLICY (default heat)")
     p.add_argument("--no-prefetch", action="store_true", default=None,
                    help="do not guess the next layer's experts (EXPERT_PREFETCH=0)")
-
-
-def expert_settings(args, env) -> ExpertSettings:
-    """Flags win over the environment; the positional cap is the mux servers' expert-cache size."""
-    def value(name: str, flag, kind):
-        if flag is not None:
-            return flag
-        if not env.get(name):
-            return None
-        try:
-            return kind(env[name])
-        except ValueError:
-            raise ValueError(f"{name} must be a {kind.__name__}, got {env[name]!r}") from None
-
-    heat = value("HEAT_FILE", args.heat_file, Path)
-    return ExpertSettings(
-        mode=value("EXPERTS", args.experts, str) or "auto",
-        device_experts_per_layer=value("EXPERT_CAP", args.expert_cache, int) or None,
-        device_gb=value("DEVICE_GB", args.device_gb, float),
-        ram_gb=value("RAM_GB", args.ram_gb, float),
-        heat_file=heat,
-        policy=value("EXPERT_POLICY", args.expert_policy, str) or "heat",
-        prefetch=not args.no_prefetch and env.get("EXPERT_PREFETCH", "1") != "0",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,14 +132,3 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(workerp)
     _add_warm_up_flag(workerp)
     return parser
-
-
-def model_settings(args) -> ModelSettings:
-    cache = args.compile_cache if str(args.compile_cache) not in ("", ".") else None
-    return ModelSettings(path=args.model, dtype=args.dtype, max_context=args.max_context, compile_cache=cache,
-                         mesh=args.mesh, kv_dtype=args.kv_dtype)
-
-
-def sampling_settings(args) -> SamplingSettings:
-    return SamplingSettings(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.seed)

@@ -28,14 +28,14 @@ from werkzeug.exceptions import HTTPException, NotFound
 
 from ..runtime.engine_api import EngineAPI
 from ..runtime.errors import EngineError
+from ..runtime.serve_settings import ServeSettings
 from . import openai_responses as shape
 from . import static
 from .errors import ApiError, from_engine, invalid
 from .generate import Generation, Turn
 from .metrics import Metrics, RecentRate
-from .openai_schema import InvalidRequest, parse_chat, parse_completion
+from .openai_schema import InvalidRequest, Limits, parse_chat, parse_completion
 from .openapi import openapi_document
-from .settings import ServeSettings
 from .slots import SlotRoutes
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,8 @@ class Server:
     def __init__(self, engine: EngineAPI, settings: ServeSettings):
         self.engine = engine
         self.settings = settings
-        self.limits = settings.limits()
+        self.limits = Limits(settings.max_messages, settings.max_stops, settings.max_stop_chars,
+                             settings.max_prompt_chars, max_tokens=settings.max_context)
         self.metrics = Metrics(engine)
         self.decode_rate = RecentRate()
         self.generation = Generation(engine, self.metrics, self.decode_rate,

@@ -14,11 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeGuard
 
-MAX_STOPS = 4
+from ..runtime.serve_settings import MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOPS
+
 MAX_TOP_LOGPROBS = 5
-MAX_MESSAGES = 256
-MAX_STOP_CHARS = 256
-MAX_PROMPT_CHARS = 1 << 20
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 

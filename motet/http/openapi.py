@@ -12,8 +12,8 @@ from __future__ import annotations
 from functools import partial
 
 from .. import __version__
+from ..runtime.serve_settings import ServeSettings
 from .openai_schema import MAX_TOP_LOGPROBS, ROLES
-from .settings import ServeSettings
 from .slots import FILENAME_PATTERN, MAX_FILENAME_BYTES
 
 OPENAPI_VERSION = "3.1.0"

@@ -21,9 +21,9 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from ..runtime.engine_api import EngineAPI
+from ..runtime.serve_settings import ServeSettings
 from .app import create_app
 from .send_timeout import SendTimeout
-from .settings import ServeSettings
 
 
 def hypercorn_config(settings: ServeSettings) -> Config:

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# how long a caller waits for a request's answer (a worker's default: a setting's)
+from ..runtime.config import REQUEST_WAIT_S as REQUEST_WAIT_S
+
 K_GEN = 1
 K_DECODE = 2
 K_PREFILL = 3
@@ -27,7 +30,6 @@ KIND_NAMES = {
 }  # fmt: skip
 
 MAX_FRAME = 64 << 20  # a payload's bytes, at most (the kind byte is not counted)
-REQUEST_WAIT_S = 600.0  # how long a caller waits for a request's answer
 
 _LENGTH = struct.Struct("<I")
 _LAYER_HEAD = struct.Struct("<IIQ")  # layer, rows, checksum

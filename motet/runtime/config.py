@@ -1,12 +1,18 @@
-"""Settings built once from the command line (or by an embedding program) and passed down."""
+"""Settings built once from the command line (or by an embedding program) and passed down:
+each layer's part, and the one Config of a `motet` command that holds them (built in
+cli/config.py, the only code that reads the flags and the environment)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
+from .addresses import parse_address
 from .api import sampling_problem
+
+if TYPE_CHECKING:  # it holds an ExpertSettings: its module imports this one
+    from .serve_settings import ServeSettings
 
 # JAX's persistent compilation cache, for every entry point (the CLI's --compile-cache and
 # MOTET_COMPILE_CACHE move it; Engine(compile_cache=...) too).
@@ -86,3 +92,102 @@ class ExpertSettings:
             object.__setattr__(self, "heat_file", Path(self.heat_file))
         if self.policy not in ("heat", "lru"):
             raise ValueError(f"expert policy must be heat or lru, got {self.policy!r}")
+
+
+# ---- each command's own settings ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    prompt: str | None  # one-shot; None: an interactive loop
+    system: str | None = None  # a system message
+
+
+@dataclass(frozen=True)
+class MuxSettings:
+    """`motet mux`'s: the environment a server sets (cli/config.py: SNAP, KV_SLOTS, CTX,
+    SERVE_TOPK, NGEN, KVSAVE...), the flags winning."""
+
+    model: Path | None
+    legacy: bool  # SERVE=1 without SERVE_BATCH=1
+    kv_slots: int
+    context: int
+    topk: bool
+    ngen: int
+    kv_save_dir: Path | None  # KVSAVE: each slot's session persists here; None: KVSAVE=0
+    experts: ExpertSettings = ExpertSettings()
+
+    def __post_init__(self):
+        if not 1 <= self.kv_slots <= 16:
+            raise ValueError(f"KV_SLOTS must be in [1, 16], got {self.kv_slots}")
+
+
+WorkerRole = Literal["mono", "prefill", "decode"]
+WORKER_ROLES = get_args(WorkerRole)
+REQUEST_WAIT_S = 600.0  # how long a caller waits for a request's answer on the TCP wire
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    role: WorkerRole
+    listen: str  # HOST:PORT; port 0 picks a free one
+    request_wait: float = REQUEST_WAIT_S  # the longest wait on a peer's answer
+    prefill: str | None = None  # decode: the prefill worker a request names none
+
+    def __post_init__(self):
+        if self.role not in WORKER_ROLES:
+            raise ValueError(f"a worker's role is one of {', '.join(WORKER_ROLES)}, not {self.role!r}")
+        if self.listen is not None:
+            parse_address(self.listen, listening=True)
+        if self.prefill is not None:
+            parse_address(self.prefill)
+        if not self.request_wait > 0:
+            raise ValueError(f"the request wait is a positive number of seconds, not {self.request_wait}")
+
+
+@dataclass(frozen=True)
+class DistributedSettings:
+    """Where a group of processes meets and who this process is in it (docs/scaling.md)."""
+
+    coordinator: str  # HOST:PORT of process 0's coordination service
+    num_processes: int
+    process_id: int
+
+    def __post_init__(self):
+        if isinstance(self.num_processes, bool) or not isinstance(self.num_processes, int) \
+                or self.num_processes < 1:
+            raise ValueError(f"the number of processes must be a positive integer, got {self.num_processes!r}")
+        if isinstance(self.process_id, bool) or not isinstance(self.process_id, int) \
+                or not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"the process id must be in [0, {self.num_processes - 1}] for "
+                             f"{self.num_processes} processes, got {self.process_id!r}")
+        parse_address(self.coordinator, "the coordinator address")
+
+    @property
+    def leader(self) -> bool:
+        return self.process_id == 0
+
+
+# ---- the one Config ---------------------------------------------------------------------
+
+Command = Literal["chat", "info", "mux", "serve", "worker"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything one `motet` command runs with: built once from its flags and the
+    environment (cli/config.py, the only code that reads either) and passed down, each
+    part to the layer that takes it. The parts a command has no use for keep their
+    defaults (None for another command's own)."""
+
+    command: Command
+    model: ModelSettings
+    sampling: SamplingSettings = SamplingSettings()
+    experts: ExpertSettings = ExpertSettings()
+    kv_slots: int = 16  # the engine's KV slots
+    warm_up: bool = True  # the engine compiles every shape before it serves
+    group: DistributedSettings | None = None  # one process of a group
+    chat: ChatSettings | None = None
+    mux: MuxSettings | None = None
+    serve: ServeSettings | None = None
+    worker: WorkerSettings | None = None

@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import trio
 
@@ -28,6 +28,7 @@ from ..protocol.session_file import SessionHeader
 from ..protocol.wire import K_DECODE, K_ERROR, K_FIRST, K_GEN, K_PREFILL, K_RESULT, Frame, Msg, WireError
 from ..runtime.addresses import format_address, parse_address
 from ..runtime.api import GenerationRequest
+from ..runtime.config import WorkerSettings
 from ..runtime.engine_api import InProcessEngineAPI
 from ..runtime.errors import BadRequest, ContextExceeded, EmptyPrompt, EngineError
 from ..runtime.slot_table import SlotQueue
@@ -45,24 +46,6 @@ log = logging.getLogger("motet.wire.worker")
 
 ROLES = {"mono": K_GEN, "prefill": K_PREFILL, "decode": K_DECODE}  # the one kind each answers
 _Default = TypeVar("_Default")
-
-
-@dataclass(frozen=True)
-class WorkerSettings:
-    role: Literal["mono", "prefill", "decode"]  # ROLES
-    listen: str  # HOST:PORT; port 0 picks a free one
-    request_wait: float = wire.REQUEST_WAIT_S  # the longest wait on a peer's answer
-    prefill: str | None = None  # decode: the prefill worker a request names none
-
-    def __post_init__(self):
-        if self.role not in ROLES:
-            raise ValueError(f"a worker's role is one of {', '.join(ROLES)}, not {self.role!r}")
-        if self.listen is not None:
-            parse_address(self.listen, listening=True)
-        if self.prefill is not None:
-            parse_address(self.prefill)
-        if not self.request_wait > 0:
-            raise ValueError(f"the request wait is a positive number of seconds, not {self.request_wait}")
 
 
 @dataclass(frozen=True)

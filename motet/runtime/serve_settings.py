@@ -1,5 +1,5 @@
-"""ServeSettings: everything `motet serve` needs, built once from the command line (the
-only place that reads the environment) and passed down; validated here, once."""
+"""ServeSettings: everything `motet serve` needs, a part of the command's Config (built
+once in cli/config.py and passed down); validated here, once."""
 
 from __future__ import annotations
 
@@ -9,11 +9,15 @@ from pathlib import Path
 
 import motet
 
-from ..runtime.config import ExpertSettings
-from ..runtime.split_settings import SplitSettings
-from .openai_schema import MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOPS, Limits
+from .config import ExpertSettings
+from .split_settings import SplitSettings
 
 DEFAULT_WEB_DIR = Path(motet.__file__).resolve().parent / "web"
+# What one request may ask by default (http/openai_schema.py checks it)
+MAX_STOPS = 4
+MAX_MESSAGES = 256
+MAX_STOP_CHARS = 256
+MAX_PROMPT_CHARS = 1 << 20
 
 
 def is_loopback(host: str) -> bool:
@@ -90,8 +94,3 @@ class ServeSettings:
                 "it could use the model. Give --api-key (or MOTET_API_KEY), bind 127.0.0.1, "
                 "or pass --allow-insecure-bind"
             )
-
-    def limits(self) -> Limits:
-        """What one request may ask, as the request parser takes it."""
-        return Limits(self.max_messages, self.max_stops, self.max_stop_chars,
-                      self.max_prompt_chars, max_tokens=self.max_context)
