@@ -238,7 +238,7 @@ async def test_every_protected_route_needs_the_key_and_the_open_ones_do_not(llam
             compared.clear()
             both = await http.get("/v1/models", headers={"Authorization": "Bearer nope", "x-api-key": "nope2"})
     for rule, response in answers.items():
-        protected = rule.startswith(("/v1/", "/experts", "/metrics", "/slots"))
+        protected = rule.startswith(("/v1/", "/experts", "/metrics", "/slots", "/tokenize", "/detokenize"))
         assert (response.status_code == 401) == protected, (rule, response.status_code)
     assert both.status_code == 401
     # both candidates went through the constant-time compare (no early `==` on either)

@@ -1,10 +1,13 @@
 """A model's name, chat template and tokenizer, for an engine whose model lives in a
-child process: read from its files on first use (the tokenizer and template only, no
-weights)."""
+child process (MuxEngine is one): read from its files on first use (the tokenizer and
+template only, no weights)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+
+from . import tokens
 
 
 class ChatFiles:
@@ -32,4 +35,10 @@ class ChatFiles:
 
     def encode(self, prompt: str) -> list[int]:
         """As Engine.encode reads a text prompt."""
-        return self._read()[0].encode_prompt(prompt)
+        return tokens.tokenize(self._read()[0], prompt)
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return tokens.tokenize(self._read()[0], text, add_special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return tokens.detokenize(self._read()[0], ids)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from functools import partial
@@ -27,7 +27,6 @@ from ..actors.runner import ModelRunner
 from ..actors.scheduler import Cancel, Drain, Scheduler, StopNow, Submit, Subscribe
 from ..actors.warmup import StartupClock, WarmupPlan
 from ..model.compilation import current_compile_cache
-from ..model.detokenizer import IncrementalDetokenizer
 from ..model.kv import KV_DTYPE_CHOICES, KVGeometry
 from ..model.model import Model
 from ..model.sharding import MeshSpec
@@ -45,10 +44,10 @@ from ..runtime.api import (
 )
 from ..runtime.collect import Collected
 from ..runtime.config import DEFAULT_COMPILE_CACHE, ExpertSettings
-from ..runtime.errors import BadRequest, EngineClosed, EngineError, NotFound
+from ..runtime.errors import EngineClosed, EngineError, NotFound
 from ..runtime.experts import HITS_EVERY, ExpertMap, turn_entropy
 from ..runtime.service import Service
-from . import sessions
+from . import sessions, tokens
 from .experts_plan import plan_engine_experts
 
 log = logging.getLogger(__name__)
@@ -276,17 +275,18 @@ class Engine(Service, Collected):
 
     def decode(self, ids) -> str:
         """The text a stream gives for `ids` (the same detokenizer, token by token)."""
-        detok = IncrementalDetokenizer(self._loaded().tokenizer)
-        return "".join(detok.push(t) for t in ids) + detok.flush()
+        return tokens.detokenize(self._loaded().tokenizer, ids)
 
     def encode(self, prompt: str | list[int] | tuple[int, ...]) -> tuple[int, ...]:
         if not isinstance(prompt, str):
             return tuple(int(t) for t in prompt)
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate: no text a tokenizer can read
-            raise BadRequest("the prompt is not valid Unicode text (it holds a lone surrogate)") from None
-        return tuple(self._loaded().tokenizer.encode_prompt(prompt))
+        return tuple(tokens.tokenize(self._loaded().tokenizer, prompt))
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return tokens.tokenize(self._loaded().tokenizer, text, add_special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return tokens.detokenize(self._loaded().tokenizer, ids)
 
     @asynccontextmanager
     async def stream(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0,

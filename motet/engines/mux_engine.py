@@ -53,11 +53,11 @@ async def _kill(process: trio.Process) -> None:
     process.kill()  # leaving on an error: no grace
 
 
-class MuxEngine(Service, Collected):
+class MuxEngine(ChatFiles, Service, Collected):
     """`command` (a string is split as a shell would) runs with `env` over the caller's
     environment and SERVE=1 SERVE_BATCH=1 SERVE_TOPK=1 KV_SLOTS=kv_slots; its settings are
-    read from those alone. `chat_model`: whose chat template render_chat uses (default:
-    `env`'s SNAP, else the default model)."""
+    read from those alone. `chat_model`: whose name, chat template and tokenizer it reads
+    (ChatFiles; default: `env`'s SNAP, else the default model)."""
 
     def __init__(self, command: Sequence[str] | str, *, env: Mapping[str, str] | None = None,
                  kv_slots: int = 1, chat_model: str | Path | None = None, queue_limit: int = 64):
@@ -65,7 +65,7 @@ class MuxEngine(Service, Collected):
         self.env = {**CHILD_ENV, "KV_SLOTS": str(kv_slots), **(env or {})}
         self.kv_slots = int(self.env["KV_SLOTS"])
         self.topk = self.env.get("SERVE_TOPK") == "1"  # then every token ends with a TOPK line
-        self._chat = ChatFiles(chat_model if chat_model is not None else self.env.get("SNAP") or None)
+        ChatFiles.__init__(self, chat_model if chat_model is not None else self.env.get("SNAP") or None)
         # The child's slots as seen from here: whose each is, its last turn's prompt and
         # answer as text, and the requests waiting for one.
         self._slots: SlotTable[MuxStream | SlotCommand] = SlotTable(self.kv_slots, queue_limit)
@@ -354,14 +354,6 @@ class MuxEngine(Service, Collected):
             raise
         await command.answered.wait()
         return command.result()
-
-    def render_chat(self, messages: list[dict]) -> str:
-        return self._chat.render_chat(messages)
-
-    @property
-    def name(self) -> str:
-        """The name of chat_model (else SNAP, else the default model)."""
-        return self._chat.name
 
     def startup(self) -> StartupReport | None:
         """How the child came up (ChildReport.startup)."""

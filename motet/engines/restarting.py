@@ -11,6 +11,7 @@ again.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 
 import trio
@@ -73,6 +74,12 @@ class RestartingEngine(Collected):
 
     def render_chat(self, messages: list[dict]) -> str:
         return self._current().render_chat(messages)
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self._current().tokenize(text, add_special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._current().detokenize(ids)
 
     async def cancel(self, request_id: int) -> None:
         await self._current().cancel(request_id)

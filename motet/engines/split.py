@@ -31,7 +31,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -163,6 +163,12 @@ class SplitEngine(Service, Collected):
 
     def render_chat(self, messages: list[dict]) -> str:
         return self._decode_engine().render_chat(messages)
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self._decode_engine().tokenize(text, add_special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._decode_engine().detokenize(ids)
 
     def statistics(self) -> EngineStatistics:
         """The decode side as the split's requests use it (a snapshot)."""

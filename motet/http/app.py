@@ -34,13 +34,13 @@ from . import static
 from .errors import ApiError, from_engine, invalid
 from .generate import Generation, Turn
 from .metrics import Metrics, RecentRate
-from .openai_schema import InvalidRequest, Limits, parse_chat, parse_completion
+from .openai_schema import InvalidRequest, Limits, parse_chat, parse_completion, parse_detokenize, parse_tokenize
 from .openapi import openapi_document
 from .slots import SlotRoutes
 
 log = logging.getLogger(__name__)
 
-PROTECTED = ("/v1/", "/experts", "/metrics", "/slots")
+PROTECTED = ("/v1/", "/experts", "/metrics", "/slots", "/tokenize", "/detokenize")
 CORS_METHODS = "GET, POST, OPTIONS"
 CORS_HEADERS = "Authorization, Content-Type, X-Api-Key"
 CORS_MAX_AGE_S = 600
@@ -150,6 +150,28 @@ class Server:
         body = parse_completion(await self._json(), self.limits)
         return await self._generate(Turn(False, self.engine.name, body.options, trio.current_time()),
                                     body.prompt)
+
+    async def tokenize(self):
+        """vLLM's /tokenize: the ids a prompt (or messages through the template) reads as."""
+        body = parse_tokenize(await self._json(), self.limits)
+        param = "prompt" if body.messages is None else "messages"
+        try:
+            text = body.prompt if body.messages is None else self.engine.render_chat([dict(m) for m in body.messages])
+            assert text is not None  # parse_tokenize gives one of the two
+            ids = self.engine.tokenize(text, body.add_special)
+        except ValueError as exc:  # the chat template refused this conversation
+            raise InvalidRequest(str(exc), "messages") from None
+        except EngineError as exc:  # text no tokenizer reads; no engine (a mux child starting again)
+            return error_response(from_engine(exc, param, self.settings.retry_after_s))
+        return {"count": len(ids), "max_model_len": self.settings.max_context, "tokens": ids}
+
+    async def detokenize(self):
+        """vLLM's /detokenize: the text of token ids, as a stream writes it."""
+        ids = parse_detokenize(await self._json(), self.limits)
+        try:
+            return {"prompt": self.engine.detokenize(ids)}
+        except EngineError as exc:  # an id outside the vocabulary; no engine
+            return error_response(from_engine(exc, "tokens", self.settings.retry_after_s))
 
     async def _json(self) -> object:
         data = await request.get_data(cache=False)  # 413 past the limit, 408 past the timeout
@@ -268,6 +290,8 @@ def create_app(engine: EngineAPI, settings: ServeSettings) -> QuartTrio:
         ("/v1/completions", server.completions, "POST"),
         ("/v1/models", server.models, "GET"),
         ("/v1/models/<path:model_id>", server.model, "GET"),
+        ("/tokenize", server.tokenize, "POST"),
+        ("/detokenize", server.detokenize, "POST"),
         ("/health", server.health, "GET"),
         ("/openapi.json", server.openapi, "GET"),
         ("/experts", server.experts, "GET"),

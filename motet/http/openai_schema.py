@@ -56,31 +56,30 @@ class Options:
 
 @dataclass(frozen=True)
 class ChatRequest:
-    model: str
+    model: str | None  # None: not given (answers carry the served model's name either way)
     messages: tuple[dict[str, str], ...]  # {"role", "content"}, content flattened to text
     options: Options
 
 
 @dataclass(frozen=True)
 class CompletionRequest:
-    model: str
+    model: str | None
     prompt: str
     options: Options
 
 
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """POST /tokenize: a text, or messages for the chat template (vLLM's fields)."""
+
+    prompt: str | None
+    messages: tuple[dict[str, str], ...] | None
+    add_special: bool  # add_special_tokens: the BOS the model wants, as a prompt gets
+
+
 def parse_chat(body: object, limits: Limits = Limits()) -> ChatRequest:
     body = _object(body)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("'messages' must be a non-empty array of messages", "messages")
-    if len(messages) > limits.max_messages:
-        raise InvalidRequest(f"'messages' holds {len(messages)} messages; at most "
-                             f"{limits.max_messages} are allowed", "messages")
-    parsed = tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages))
-    chars = sum(len(m["content"]) for m in parsed)
-    if chars > limits.max_prompt_chars:
-        raise InvalidRequest(f"the messages hold {chars} characters; at most "
-                             f"{limits.max_prompt_chars} are allowed", "messages")
+    parsed = _messages(body, limits)
     logprobs = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
     if top and not logprobs:
@@ -96,12 +95,7 @@ def parse_completion(body: object, limits: Limits = Limits()) -> CompletionReque
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise InvalidRequest("'prompt' must be a string (or an array of one string)", "prompt")
-    if len(prompt) > limits.max_prompt_chars:
-        raise InvalidRequest(f"'prompt' holds {len(prompt)} characters; at most "
-                             f"{limits.max_prompt_chars} are allowed", "prompt")
-    _text(prompt, "prompt")
+    prompt = _prompt(prompt, "prompt", limits, "a string (or an array of one string)")
     if body.get("echo") not in (None, False):
         raise InvalidRequest("'echo' is not supported", "echo")
     if body.get("best_of") not in (None, 1):
@@ -114,6 +108,34 @@ def parse_completion(body: object, limits: Limits = Limits()) -> CompletionReque
                              _options(body, limits, max_tokens, top is not None, top or 0))
 
 
+def parse_tokenize(body: object, limits: Limits = Limits()) -> TokenizeRequest:
+    """`prompt` (llama.cpp's `content` too) or `messages`; `add_special_tokens` (default true)."""
+    body = _object(body)
+    _model(body)
+    given = [name for name in ("prompt", "content", "messages") if body.get(name) is not None]
+    if len(given) != 1:
+        raise InvalidRequest("give one of 'prompt' (or 'content') and 'messages'", "prompt")
+    add = body.get("add_special_tokens", True)
+    if not isinstance(add, bool):
+        raise InvalidRequest("'add_special_tokens' must be a boolean", "add_special_tokens")
+    if given[0] == "messages":
+        return TokenizeRequest(None, _messages(body, limits), add)
+    return TokenizeRequest(_prompt(body[given[0]], given[0], limits, "a string"), None, add)
+
+
+def parse_detokenize(body: object, limits: Limits = Limits()) -> tuple[int, ...]:
+    """`tokens`: an array of token ids, at most as many as a prompt may have characters."""
+    body = _object(body)
+    _model(body)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_int(t) and t >= 0 for t in tokens):
+        raise InvalidRequest("'tokens' must be an array of token ids (integers >= 0)", "tokens")
+    if len(tokens) > limits.max_prompt_chars:
+        raise InvalidRequest(f"'tokens' holds {len(tokens)} ids; at most {limits.max_prompt_chars} "
+                             "are allowed", "tokens")
+    return tuple(tokens)
+
+
 # ---- the fields ---------------------------------------------------------------------
 
 
@@ -123,11 +145,39 @@ def _object(body: object) -> dict:
     return body
 
 
-def _model(body: dict) -> str:
-    model = body.get("model")
+def _model(body: dict) -> str | None:
+    """Optional, as on single-model servers: it may be left out. Any name is accepted
+    (answers carry the served model's name), but one given is a non-empty string."""
+    if "model" not in body:
+        return None
+    model = body["model"]
     if not isinstance(model, str) or not model:
         raise InvalidRequest("'model' must be a non-empty string", "model")
-    return model  # any name is accepted; answers carry the served model's name
+    return model
+
+
+def _messages(body: dict, limits: Limits) -> tuple[dict[str, str], ...]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty array of messages", "messages")
+    if len(messages) > limits.max_messages:
+        raise InvalidRequest(f"'messages' holds {len(messages)} messages; at most "
+                             f"{limits.max_messages} are allowed", "messages")
+    parsed = tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages))
+    chars = sum(len(m["content"]) for m in parsed)
+    if chars > limits.max_prompt_chars:
+        raise InvalidRequest(f"the messages hold {chars} characters; at most "
+                             f"{limits.max_prompt_chars} are allowed", "messages")
+    return parsed
+
+
+def _prompt(prompt: object, name: str, limits: Limits, what: str) -> str:
+    if not isinstance(prompt, str):
+        raise InvalidRequest(f"'{name}' must be {what}", name)
+    if len(prompt) > limits.max_prompt_chars:
+        raise InvalidRequest(f"'{name}' holds {len(prompt)} characters; at most "
+                             f"{limits.max_prompt_chars} are allowed", name)
+    return _text(prompt, name)
 
 
 def _message(message: object, where: str) -> dict[str, str]:

@@ -56,7 +56,8 @@ def _schemas(settings: ServeSettings, slots: int) -> dict:
     text = {"type": "string", "maxLength": settings.max_prompt_chars}
     stop = {"type": "string", "minLength": 1, "maxLength": settings.max_stop_chars}
     common = {  # what both generation routes take
-        "model": {"type": "string", "minLength": 1, "description": "any name; answers carry the served model's"},
+        "model": {"type": "string", "minLength": 1,
+                  "description": "optional; any name (answers carry the served model's)"},
         "max_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": settings.max_context}),
         "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
         "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
@@ -98,7 +99,7 @@ def _schemas(settings: ServeSettings, slots: int) -> dict:
                            "content": {"anyOf": [text, {"type": "array", "items": _ref("TextPart")}]}},
         },
         "ChatCompletionRequest": {
-            "type": "object", "required": ["model", "messages"],
+            "type": "object", "required": ["messages"],
             "description": "unknown fields are ignored; `top_logprobs` needs `logprobs: true`",
             "properties": {
                 **common,
@@ -110,7 +111,7 @@ def _schemas(settings: ServeSettings, slots: int) -> dict:
             },
         },
         "CompletionRequest": {
-            "type": "object", "required": ["model", "prompt"],
+            "type": "object", "required": ["prompt"],
             "properties": {
                 **common,
                 "prompt": {"anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": 1}]},
@@ -188,6 +189,23 @@ def _schemas(settings: ServeSettings, slots: int) -> dict:
         },
         "SlotErased": {"type": "object", "required": ["id_slot", "n_erased"],
                        "properties": {"id_slot": counts, "n_erased": counts}},
+        "TokenizeRequest": {
+            "type": "object", "description": "one of `prompt` (or `content`) and `messages`",
+            "properties": {"model": common["model"], "prompt": text, "content": text,
+                           "messages": {"type": "array", "minItems": 1, "maxItems": settings.max_messages,
+                                        "items": _ref("Message")},
+                           "add_special_tokens": {"type": "boolean", "description": "the BOS a prompt gets "
+                                                  "(default true)"}},
+        },
+        "Tokenized": {"type": "object", "required": ["count", "max_model_len", "tokens"],
+                      "properties": {"count": counts, "max_model_len": counts,
+                                     "tokens": {"type": "array", "items": counts}}},
+        "DetokenizeRequest": {
+            "type": "object", "required": ["tokens"],
+            "properties": {"model": common["model"],
+                           "tokens": {"type": "array", "maxItems": settings.max_prompt_chars, "items": counts}},
+        },
+        "Detokenized": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
         "Experts": {
             "type": "object",
             "required": ["rows", "cols", "map", "hits", "seq", "gpus", "entropy", "repin",
@@ -212,6 +230,15 @@ def _generation(summary: str, request: str, answer: str, security: list) -> dict
                                 "text/event-stream": {"schema": SSE_EVENT}}},
             **ERRORS,
         },
+    }}
+
+
+def _post(summary: str, request: str, answer: str, security: list) -> dict:
+    return {"post": {
+        "summary": summary, "security": security,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {"200": _json(_ref(answer), "the answer"),
+                      **{code: ERRORS[code] for code in ("400", "401", "408", "413", "431", "503")}},
     }}
 
 
@@ -282,6 +309,10 @@ def openapi_document(settings: ServeSettings, model: str, slots: int) -> dict:
                 "one model", {"200": _json(_ref("Model"), "the served model"),
                               "404": _json(_ref("Error"), "no such model")},
                 security=key, parameters=[_path_param("model_id", "the served model's name")]),
+            "/tokenize": _post("the token ids of a prompt, or of messages through the chat template",
+                               "TokenizeRequest", "Tokenized", key),
+            "/detokenize": _post("the text of token ids, as a stream writes it", "DetokenizeRequest",
+                                 "Detokenized", key),
             "/health": _get("whether the engine serves", {
                 "200": _json(_ref("Health"), "serving"),
                 "503": _json(_ref("Health"), "closing, starting again, or unable to start (`reason`)")}),

@@ -59,6 +59,16 @@ class EngineAPI(Protocol):
         """The model's chat template applied, with the assistant's turn opened."""
         ...
 
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """The token ids of `text`: as a prompt is read (`add_special`: with the BOS the
+        model wants), else the text's own. BadRequest for text that is not Unicode."""
+        ...
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """The text a stream writes for `ids` (special tokens write none); BadRequest for
+        an id outside the vocabulary."""
+        ...
+
     async def cancel(self, request_id: int) -> None:
         """Ends a request in flight (finish reason "cancelled"); NotFound when none has this id."""
         ...
