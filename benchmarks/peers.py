@@ -127,6 +127,16 @@ def workload(chat, run: int) -> Workload:
     )
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (VmHWM). Not ru_maxrss: Linux carries that across
+    exec, so a child would report its parent's peak when the parent's was the larger (as
+    it is after the parent has written the MoE files)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 # ---- motet ----------------------------------------------------------------------------
 
 async def motet_stream(engine, ids: list[int], max_tokens: int) -> dict:
@@ -218,7 +228,7 @@ def motet_child_runs(job: dict) -> dict:
     runs = [Workload(**w) for w in job["runs"]]
     context = job["n_ctx"] // STREAMS
     out = trio.run(motet_runs, model, runs, context)
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the bare step's own KV
+    peak_mb = peak_rss_mb()  # before the bare step's own KV
     return {"runs": out, "bare_step_ms": bare_step_ms(model, context), "peak_rss_mb": peak_mb,
             "kv_dtype": model.kv_dtype, "context": context}
 
@@ -316,8 +326,7 @@ def child(which: str) -> int:
     process's own peak RSS in it (each engine measured alone, each file afresh)."""
     job = json.load(sys.stdin)
     if which == "llama.cpp":
-        result = {"runs": llama_cpp_runs(job),
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        result = {"runs": llama_cpp_runs(job), "peak_rss_mb": peak_rss_mb()}
     else:
         result = motet_child_runs(job)
     real_stdout.write(json.dumps(result))
