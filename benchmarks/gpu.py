@@ -41,7 +41,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 import gguf  # noqa: E402
 import moe_gguf  # noqa: E402
 import peers  # noqa: E402
-from gguf_fixtures import _tokenizer, mix, simple, write_tensors  # noqa: E402
+from gguf_fixtures import add_tokenizer, mix, simple, write_tensors  # noqa: E402
 from kquants import quantize_k  # noqa: E402
 
 TOKENIZER_DIR = HERE.parent / "tests" / "golden" / "qwen3_moe"  # a 512-token BPE, padded to the vocab
@@ -75,7 +75,7 @@ def model_file(fmt: str, config: dict, cache: Path) -> Path:
     started = time.perf_counter()
     tmp = out.with_suffix(".tmp")
     write_tensors(tmp, config, moe_gguf.random_tensors(config),
-                  lambda w: _tokenizer(w, TOKENIZER_DIR, config["vocab_size"]), policy)
+                  lambda w: add_tokenizer(w, TOKENIZER_DIR, config["vocab_size"]), policy)
     tmp.replace(out)  # whole files only: a killed build leaves no half file to reuse
     print(f"wrote {out.name} ({out.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - started:.0f} s",
           file=sys.stderr)

@@ -140,7 +140,7 @@ def _metadata(w: gguf.GGUFWriter, hf: dict) -> None:
         w.add_rope_dimension_count(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
 
 
-def _tokenizer(w: gguf.GGUFWriter, hf_dir: Path, vocab_size: int) -> None:
+def add_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, vocab_size: int) -> None:
     """The converter's _set_vocab_gpt2, from tokenizer.json instead of AutoTokenizer."""
     spec = json.loads((hf_dir / "tokenizer.json").read_text())
     pre = spec.get("pre_tokenizer") or {}
@@ -173,7 +173,7 @@ def write_gguf(hf_dir: Path, out: Path, quantize: Policy | None = None) -> Path:
     tensor float32; a policy (simple(), mix()) picks each weight's type."""
     hf_dir = Path(hf_dir)
     hf, raw = read_hf(hf_dir)
-    return write_tensors(out, hf, raw, lambda w: _tokenizer(w, hf_dir, hf["vocab_size"]), quantize)
+    return write_tensors(out, hf, raw, lambda w: add_tokenizer(w, hf_dir, hf["vocab_size"]), quantize)
 
 
 def write_tensors(out: Path, hf: dict, raw: dict[str, np.ndarray],

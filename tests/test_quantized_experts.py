@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import GOLDEN
 from gguf import GGMLQuantizationType as Q
-from gguf_fixtures import _tokenizer, mix, simple, write_gguf, write_tensors
+from gguf_fixtures import add_tokenizer, mix, simple, write_gguf, write_tensors
 from kquants import quantize_k
 from test_expert_tiers import MOE_ARCHS, long_prompt, make_pool, resident_run, tiered_run
 
@@ -194,7 +194,7 @@ def test_a_k_quant_moe_gguf_runs_quantized_in_every_tier(tmp_path):
     different types): the same logits as the file dequantized to float32, and tiered the
     resident greedy tokens, each layer's pool in its own layer's format."""
     hf, raw = random_qwen3_moe()
-    path = write_tensors(tmp_path / "k.gguf", hf, raw, partial(_tokenizer, hf_dir=GOLDEN / "qwen3_moe",
+    path = write_tensors(tmp_path / "k.gguf", hf, raw, partial(add_tokenizer, hf_dir=GOLDEN / "qwen3_moe",
                                                                vocab_size=hf["vocab_size"]),
                          mix(_k_mix, lambda array, kind: quantize_k(array, kind.name)))
     quantized, float32 = load_model(path), load_model(path, dtype="float32")
@@ -217,7 +217,7 @@ def test_k_scales_stay_packed_where_the_dots_read_them_in_place(tmp_path):
     256 values: Q4_K in 4.75 bits a value, not 6); with AVX2 they are widened to float32
     at load. Both compute the same logits."""
     hf, raw = random_qwen3_moe(layers=1)
-    path = write_tensors(tmp_path / "k.gguf", hf, raw, partial(_tokenizer, hf_dir=GOLDEN / "qwen3_moe",
+    path = write_tensors(tmp_path / "k.gguf", hf, raw, partial(add_tokenizer, hf_dir=GOLDEN / "qwen3_moe",
                                                                vocab_size=hf["vocab_size"]),
                          mix(_k_mix, lambda array, kind: quantize_k(array, kind.name)))
     prompt = long_prompt("qwen3_moe", hf["vocab_size"])

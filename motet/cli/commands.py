@@ -35,24 +35,22 @@ def cmd_info(config: Config) -> int:
     info = model.info()
     formats = info.pop("tensor_formats")
     width = max(map(len, info))
-    for key, value in info.items():
-        print(f"{key:<{width}}  {value}")
-    print(f"tensors (quantized products: {kernel_name()}):")
-    for group, g in formats.items():
-        print(f"  {group:<16} {'+'.join(g['formats']):<12} {g['values']:>12,} values {g['bytes']:>14,} bytes "
-              f"({8 * g['bytes'] / g['values']:.2f} bits each)")
-    print(f"bytes read per decode token: {info['decode_bytes'] / 1e6:.1f} MB of weights")
+    lines = [f"{key:<{width}}  {value}" for key, value in info.items()]
+    lines.append(f"tensors (quantized products: {kernel_name()}):")
+    lines += [f"  {group:<16} {'+'.join(g['formats']):<12} {g['values']:>12,} values {g['bytes']:>14,} bytes "
+              f"({8 * g['bytes'] / g['values']:.2f} bits each)" for group, g in formats.items()]
+    lines.append(f"bytes read per decode token: {info['decode_bytes'] / 1e6:.1f} MB of weights")
     slots = config.kv_slots
     context = min(config.model.max_context or 4096, model.config.max_context)
     geo = KVGeometry(n_slots=slots, max_context=context, chunk=PREFILL_CHUNK)
     per_position = kv_bytes_per_position(model.config, model.kv_dtype)
     kv_mb = per_position * geo.length * (slots + 1) / 1e6
-    print(f"KV cache: {model.kv_dtype}, {per_position:,} bytes a position; {slots} slots of {context} "
-          f"(and a scratch slot, {geo.length} positions each): {kv_mb:.1f} MB")
-    print(f"compiled before ready ({slots} KV slots, context {context}, prefill chunks of "
-          f"{PREFILL_CHUNK}; experts resident):")
-    for line in WarmupPlan.of(geo).describe():
-        print(f"  {line}")
+    lines.append(f"KV cache: {model.kv_dtype}, {per_position:,} bytes a position; {slots} slots of {context} "
+                 f"(and a scratch slot, {geo.length} positions each): {kv_mb:.1f} MB")
+    lines.append(f"compiled before ready ({slots} KV slots, context {context}, prefill chunks of "
+                 f"{PREFILL_CHUNK}; experts resident):")
+    lines += [f"  {line}" for line in WarmupPlan.of(geo).describe()]
+    sys.stdout.write("\n".join(lines) + "\n")  # the answer the user asked for, as chat's is
     return 0
 
 
@@ -132,7 +130,7 @@ def cmd_mux(config: Config, mirror=None) -> int:
                 else "io")
         detail = " ".join(str(exc).split())
         os.write(protocol_fd, f"LOAD_FAIL kind={kind} {detail}\n".encode())
-        print(f"motet: error: {exc}", file=sys.stderr)
+        sys.stderr.write(f"motet: error: {exc}\n")
         return 2
 
     async def serve():
