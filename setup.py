@@ -19,14 +19,15 @@ setup(
     ext_modules=[
         Extension(
             "motet.model._qmatmul",
-            sources=[KERNELS + f"qmatmul_{part}.cc" for part in ("ffi", "base", "avx2", "avx512")]
+            sources=[KERNELS + f"qmatmul_{part}.cc" for part in ("ffi", "base", "avx2", "avx512", "avx512vnni")]
             + [KERNELS + name for name in ("moe.cc", "norm_rope.cc", "kv_write.cc")],
             include_dirs=ffi_include(),
             language="c++",
             extra_compile_args=["-O3", "-std=c++17", "-w"],
             depends=[KERNELS + name for name in ("qmatmul.h", "qmatmul_headers.h", "qmatmul_body.inc",
                                                  "scales_body.inc", "attend_body.inc", "swiglu_body.inc", "matvec_avx2.inc",
-                                                 "matvec_avx512.inc", "four_entries.inc")],
+                                                 "matvec_avx512.inc", "four_entries.inc",
+                                                 "avx512_body.inc", "pairs_vnni.inc")],
             optional=True,
         )
     ]

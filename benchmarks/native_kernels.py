@@ -3,8 +3,10 @@ jitted steps, side by side in one process: a decode step of 1 and of 16 rows (30
 cached positions each) and a 512-token prefill, with every kernel on, with attention
 (decode and prefill) on XLA, with the MoE experts on XLA's grouped loop, and with the
 norms and QKV heads on XLA; with AVX-512, also the one-row dots at 4 and at 1 weight
-rows a pass (the CPU's vendor picks one for "native"). The variants take turns, round
-after round, and each reports its best round (the machine is shared).
+rows a pass (the CPU's vendor picks one for "native"); with AVX-512 VNNI, also every
+kernel on plain AVX-512 (products of many rows on float panels, not integer pairs). The
+variants take turns, round after round, and each reports its best round (the machine
+is shared).
 
     .venv/bin/python benchmarks/native_kernels.py [--files default,moe-q4km] [--rounds 3]
         [--decode 1,16] [--prefill 512] [--variants native,...]
@@ -58,12 +60,22 @@ def rows_a_pass(rows: int):
     return lambda: (lambda: native.rows_at_once(rows), lambda: native.rows_at_once(0))
 
 
+def instruction_set(name: str):
+    """Every kernel on the instruction set `name` (the CPU's best one otherwise)."""
+    def switch():
+        best = native.instruction_set()
+        return (lambda: native.select_instruction_set(name), lambda: native.select_instruction_set(best))
+
+    return switch
+
+
 VARIANTS = {"native": None,
             "xla attention": on_xla(forward, "attend_rows", "attend_chunk"),  # decode and prefill
             "xla experts": on_xla(moe, "experts_grouped"),
             # the norms, the residual add before the FFN's, the QKV heads
             "xla norms, heads": on_xla(forward, "rms_norm", "add_rms_norm", "qkv_heads"),
-            "4 rows a pass": rows_a_pass(4), "1 row a pass": rows_a_pass(1)}
+            "4 rows a pass": rows_a_pass(4), "1 row a pass": rows_a_pass(1),
+            "avx512, no vnni": instruction_set("avx512")}
 
 
 def forget_compiled():
@@ -130,7 +142,9 @@ def main(argv=None) -> int:
     for name, path in files(args.files.split(",")).items():
         model = load_model(path)
         variants = ["native", "xla attention"] + (["xla experts"] if model.config.is_moe else [])
-        variants += ["xla norms, heads"] + (["4 rows a pass", "1 row a pass"] if native.instruction_set() == "avx512" else [])
+        isa = native.instruction_set() or ""
+        variants += ["xla norms, heads"] + (["4 rows a pass", "1 row a pass"] if isa.startswith("avx512") else [])
+        variants += ["avx512, no vnni"] if isa == "avx512vnni" else []
         if args.variants:
             variants = [v for v in variants if v in args.variants.split(",")]
         results[name] = measure(model, args.rounds, variants, tuple(int(b) for b in args.decode.split(",")),

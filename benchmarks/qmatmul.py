@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         kernel = stack(lambda x, w: qmatmul(x, w, use_native=True))
         forms["kernel"] = (kernel, quantized)
         isas["kernel"] = native.instruction_set()
-        if isas["kernel"] == "avx512":
+        if isas["kernel"].startswith("avx512"):
             forms["kernel-avx2"] = (kernel, quantized)
             isas["kernel-avx2"] = "avx2"
     weight_bytes = {name: sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(w)) for name, (_, w) in forms.items()}

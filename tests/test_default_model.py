@@ -14,13 +14,17 @@ import numpy as np
 import pytest
 from conftest import GOLDEN
 
-from motet.model import default_model_path
+from motet.model import default_model_path, native
 from motet.model.generate import generate
 
 # Measured max |motet - transformers|: last-position logits 6.5e-5 / 4.2e-5 / 5.9e-5,
 # head columns 9.4e-5 / 6.0e-5 / 7.1e-5 for prompts 0/1/2; the logits' std is ~3.1-3.4.
 # 3e-4 leaves 3-5x headroom.
 ATOL = 3e-4
+# With x as int16 per 32 values in every product (AVX-512 VNNI's integer pairs): last
+# logits 9.5e-3 / 4.7e-3 / 6.1e-3, head columns 2.0e-2 / 1.5e-2 / 1.4e-2 (the largest
+# |logit| 21-35).
+PAIRS_ATOL = 5e-2
 PROMPTS = (0, 1, 2)
 
 
@@ -33,9 +37,33 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def forwards(default_model, smollm2):
-    """model.logits for each golden prompt, computed once."""
+    """model.logits for each golden prompt, computed once, with x in float32 in the
+    prompt's products: where the CPU has AVX-512 VNNI the kernels would take them as
+    int16 pairs, so these run on plain AVX-512, and test_int16_pairs_stay_close checks
+    the pairs."""
     npz, _ = smollm2
-    return {i: default_model.logits(npz[f"ids_{i}"]) for i in PROMPTS}
+    best = native.instruction_set()
+    if best == "avx512vnni":
+        native.select_instruction_set("avx512")
+    try:
+        return {i: default_model.logits(npz[f"ids_{i}"]) for i in PROMPTS}
+    finally:
+        if best == "avx512vnni":
+            native.select_instruction_set(best)
+
+
+def test_int16_pairs_stay_close(default_model, smollm2):
+    """The prompt's products as AVX-512 VNNI's integer pairs (x as int16 per 32 values,
+    as the one-row dots take it): within PAIRS_ATOL, and the same argmax everywhere."""
+    if native.instruction_set() != "avx512vnni":
+        pytest.skip("this CPU has no AVX-512 VNNI, or the kernels were not built")
+    npz, _ = smollm2
+    for i in PROMPTS:
+        logits = default_model.logits(npz[f"ids_{i}"])
+        head = npz[f"head_{i}"]
+        np.testing.assert_allclose(logits[-1], npz[f"last_{i}"], rtol=0, atol=PAIRS_ATOL)
+        np.testing.assert_allclose(logits[:, : head.shape[1]], head, rtol=0, atol=PAIRS_ATOL)
+        np.testing.assert_array_equal(logits.argmax(-1), npz[f"argmax_{i}"])
 
 
 def test_default_model_path_exists():

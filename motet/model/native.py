@@ -75,7 +75,7 @@ def k_scales_packed() -> bool:
     fifth to a third slower on them (benchmarks/qmatmul.py's note in
     docs/performance.md), so there they are widened, as they were before. Off the CPU the
     XLA path widens them inside the jitted computation."""
-    return jax.default_backend() != "cpu" or instruction_set() in (None, "avx512")
+    return jax.default_backend() != "cpu" or instruction_set() in (None, "avx512", "avx512vnni")
 
 
 def use_kernel(asked: bool | None, applies: bool, what: str) -> bool:
@@ -90,7 +90,7 @@ def use_kernel(asked: bool | None, applies: bool, what: str) -> bool:
 
 
 def instruction_set() -> str | None:
-    """What the kernels run on this CPU: "avx512", "avx2" or "base"."""
+    """What the kernels run on this CPU: "avx512vnni", "avx512", "avx2" or "base"."""
     lib = _library()
     return None if lib is None else lib.motet_qmatmul_isa().decode()
 
@@ -113,4 +113,4 @@ def rows_at_once(rows: int | None = None) -> int:
     return 0 if lib is None else lib.motet_qmatmul_rows_at_once(-1 if rows is None else rows)
 
 
-INSTRUCTION_SETS = ("avx512", "avx2", "base")
+INSTRUCTION_SETS = ("avx512vnni", "avx512", "avx2", "base")

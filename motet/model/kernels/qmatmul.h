@@ -142,6 +142,7 @@ namespace base { MOTET_KERNELS }
 #if defined(__x86_64__)
 namespace avx2 { MOTET_KERNELS }
 namespace avx512 { MOTET_KERNELS }
+namespace avx512vnni { MOTET_KERNELS }
 #endif
 #undef MOTET_KERNELS
 

@@ -34,7 +34,7 @@ Choice best_for_this_cpu() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    return MOTET_CHOICE(avx512);
+    return __builtin_cpu_supports("avx512vnni") ? MOTET_CHOICE(avx512vnni) : MOTET_CHOICE(avx512);
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return MOTET_CHOICE(avx2);
 #endif
   return MOTET_CHOICE(base);
@@ -383,20 +383,21 @@ int motet_qmatmul_rows_at_once(int rows) {
   return motet_qmatmul::avx512_rows_at_once();
 }
 
-// The instruction set the kernels use ("avx512", "avx2" or "base").
+// The instruction set the kernels use ("avx512vnni", "avx512", "avx2" or "base").
 const char* motet_qmatmul_isa() { return chosen().name; }
 
 // Use `name` instead, for tests that compare every instruction set this CPU has;
 // returns 0 where the CPU lacks it.
 int motet_qmatmul_select(const char* name) {
   const Choice best = best_for_this_cpu();
-  const char* order[] = {"avx512", "avx2", "base"};
+  const char* order[] = {"avx512vnni", "avx512", "avx2", "base"};
   bool reachable = false;
   for (const char* isa : order) {
     if (std::strcmp(isa, best.name) == 0) reachable = true;
     if (reachable && std::strcmp(isa, name) == 0) {
 #if defined(__x86_64__)
-      if (std::strcmp(name, "avx512") == 0) chosen() = MOTET_CHOICE(avx512);
+      if (std::strcmp(name, "avx512vnni") == 0) chosen() = MOTET_CHOICE(avx512vnni);
+      else if (std::strcmp(name, "avx512") == 0) chosen() = MOTET_CHOICE(avx512);
       else if (std::strcmp(name, "avx2") == 0) chosen() = MOTET_CHOICE(avx2);
       else
 #endif
