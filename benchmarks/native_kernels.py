@@ -75,7 +75,7 @@ VARIANTS = {"native": None,
             # the norms, the residual add before the FFN's, the QKV heads
             "xla norms, heads": on_xla(forward, "rms_norm", "add_rms_norm", "qkv_heads"),
             "4 rows a pass": rows_a_pass(4), "1 row a pass": rows_a_pass(1),
-            "avx512, no vnni": instruction_set("avx512")}
+            "plain avx512": instruction_set("avx512")}
 
 
 def forget_compiled():
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
         variants = ["native", "xla attention"] + (["xla experts"] if model.config.is_moe else [])
         isa = native.instruction_set() or ""
         variants += ["xla norms, heads"] + (["4 rows a pass", "1 row a pass"] if isa.startswith("avx512") else [])
-        variants += ["avx512, no vnni"] if isa == "avx512vnni" else []
+        variants += ["plain avx512"] if isa == "avx512vnni" else []
         if args.variants:
             variants = [v for v in variants if v in args.variants.split(",")]
         results[name] = measure(model, args.rounds, variants, tuple(int(b) for b in args.decode.split(",")),
