@@ -1,5 +1,6 @@
 """How far each engine path that quantizes activations lands from the float32 reference,
-on the same GGUF and the same token ids: motet's one-row kernel (x as int16 per 32) and
+on the same GGUF and the same token ids: motet's one-row kernel (x as int16 per 32; with
+AVX-512 VNNI its prefill's products too, as integer pairs) and
 llama.cpp's CPU dot products (x as Q8_0/Q8_1/Q8_K), with the float-activation paths beside
 them. Not part of CI.
 
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
         llama_child(Path(args.child), str(args.model), args.threads)
         return 0
 
-    from motet.model import default_model_path, load_model
+    from motet.model import default_model_path, load_model, native
     from motet.model.generate import generate
 
     path = args.model or default_model_path()
@@ -165,17 +166,27 @@ def main(argv=None) -> int:
     ref = ref_model.logits(ids)  # the float32 reference: one full causal forward
     ref_decode = motet_decode_logits(ref_model, ids)  # motet float32, one token at a time
     ours = {"decode": motet_decode_logits(model, ids), "prefill": model.logits(ids)}
+    # With AVX-512 VNNI a prefill's products take x as int16 pairs; plain AVX-512's float
+    # panels are scored beside them.
+    pairs = native.instruction_set() == "avx512vnni"
+    prefill_label = "motet prefill (int16 x pairs, AVX-512 VNNI)" if pairs else "motet prefill (float x)"
+    if pairs:
+        native.select_instruction_set("avx512")
+        ours["float prefill"] = model.logits(ids)
+        native.select_instruction_set("avx512vnni")
     print("running llama.cpp", file=sys.stderr)
     peer = llama_logits(path, ids, args.threads)
 
     vs_ref = {"motet decode (1-row kernel, int16 x)": measures(ours["decode"], ref),
-              "motet prefill (float x)": measures(ours["prefill"], ref)}
+              prefill_label: measures(ours["prefill"], ref)}
+    if pairs:
+        vs_ref["motet prefill (float x, plain AVX-512)"] = measures(ours["float prefill"], ref)
     for setting, logits in zip(LLAMA_SETTINGS, peer or []):
         tail = "" if setting == "defaults" else f" [{setting}]"
         vs_ref[f"llama.cpp decode (1 token per call){tail}"] = measures(logits["decode"], ref)
         vs_ref[f"llama.cpp batch ({len(ids)} tokens, 1 call){tail}"] = measures(logits["batch"], ref)
     vs_own = {"motet decode vs float32 decode": measures(ours["decode"], ref_decode),
-              "motet prefill vs float32 prefill": vs_ref["motet prefill (float x)"],
+              "motet prefill vs float32 prefill": vs_ref[prefill_label],
               "float32 decode vs float32 prefill": measures(ref_decode, ref)}
     result = {"model": str(path), "prompt_tokens": len(prompt), "continuation_tokens": len(continuation),
               "positions": len(ids), "llama_cpp_threads": args.threads,
