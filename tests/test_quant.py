@@ -117,7 +117,7 @@ INT16_ROWS = {"avx512": 3, "avx2": 6, "base": 1}
 def kernel_tolerance(m: int, isa: str) -> float:
     """The kernel's error bound, relative to the largest output, for m rows of x: the
     one-row dots quantize x to int16 per 32 values (AVX2's take up to six rows at once,
-    AVX-512's three), and so do the integer pairs of AVX-512 VNNI at any number of rows;
+    AVX-512's three), and so do the integer pairs of AVX-512 VNNI past them;
     more rows run in float32 elsewhere."""
     return 1e-4 if isa == "avx512vnni" or m <= INT16_ROWS[isa] else 1e-5
 
