@@ -19,8 +19,9 @@ from motet.model.kv import KVGeometry, bucket, init_kv
 ATOL = 1e-4
 DEFAULT_MODEL_ATOL = 3e-4
 # The default model runs quantized: a decode step's one-row products quantize x to
-# int16 (docs/performance.md), a full forward's many-row ones do not, so the two agree
-# to about 1e-2 of logits whose spread is about 8 (a cache bug is off by whole units).
+# int16 (docs/performance.md), a full forward's many-row ones do not (or, with AVX-512
+# VNNI, do so per call as integer pairs), so the two agree to about 1e-2 of logits whose
+# spread is about 8 (a cache bug is off by whole units).
 QUANTIZED_DECODE_ATOL = 1e-2
 
 
