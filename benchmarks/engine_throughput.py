@@ -41,12 +41,13 @@ def bare_loop(model, rows: int, steps: int) -> float:
     geo = KVGeometry(n_slots=16, max_context=1024, chunk=256)
     kv = init_kv(model.config, geo)
     keys = np.stack([np.asarray(request_key(i)) for i in range(rows)])
-    temps, tops = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+    temps, tops, top_ks, min_ps = (np.zeros(rows, np.float32), np.ones(rows, np.float32),
+                                   np.zeros(rows, np.int32), np.zeros(rows, np.float32))
     tokens, slots = [7] * rows, list(range(rows))
 
     def step(kv, pos):
         logits, kv = decode_step(model, kv, geo, tokens, slots, [pos] * rows)
-        out = sample(logits, temps, tops, keys)
+        out = sample(logits, temps, tops, top_ks, min_ps, keys)
         return np.asarray(out[0]), kv
 
     _, kv = step(kv, 100)  # compile

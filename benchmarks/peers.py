@@ -206,7 +206,8 @@ def bare_step_ms(model, context: int, repeats: int = 30) -> float:
 
     geo = KVGeometry(n_slots=STREAMS, max_context=context, chunk=256)
     kv = init_kv(model.config, geo, model.kv_dtype)
-    greedy = (np.zeros(1, np.float32), np.ones(1, np.float32), np.zeros((1, 2), np.uint32))
+    greedy = (np.zeros(1, np.float32), np.ones(1, np.float32), np.zeros(1, np.int32), np.zeros(1, np.float32),
+              np.zeros((1, 2), np.uint32))
     carry = empty_carry(geo.scratch_slot + 1)
     token, best = 1, float("inf")
     for attempt in range(4):  # the first compiles

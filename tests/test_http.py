@@ -245,6 +245,26 @@ async def test_stop_strings_and_length_on_the_default_model(serve_smol):
     assert chunks[-2].choices[0].finish_reason == "stop"
 
 
+async def test_top_k_and_min_p_cut_the_draw(serve_tiny, request):
+    """vLLM's and llama.cpp's top_k and min_p, as the openai client sends them (extra_body):
+    cut to the likeliest token, a draw at temperature 1 is the greedy answer, whatever the
+    seed. The mux protocol carries neither, so a mux engine refuses them."""
+    async with serve_tiny() as (engine, url):
+        client = sync_client(url)
+        ask = partial(client.chat.completions.create, model="m", messages=HELLO, max_tokens=8)
+        if "mux" in request.node.callspec.id:
+            with pytest.raises(openai.BadRequestError, match="top_k and min_p are not carried"):
+                await in_thread(ask, temperature=1.0, extra_body={"top_k": 1})
+            return
+        greedy = (await in_thread(ask, temperature=0)).choices[0].message.content
+        for seed in range(3):
+            for cut in ({"top_k": 1}, {"min_p": 1.0}):
+                drawn = await in_thread(ask, temperature=1.0, seed=seed, extra_body=cut)
+                assert drawn.choices[0].message.content == greedy, (seed, cut)
+        free = {(await in_thread(ask, temperature=1.0, seed=seed)).choices[0].message.content for seed in range(3)}
+        assert free != {greedy}  # without a cut, the tiny model's draws do differ
+
+
 # ---- errors ------------------------------------------------------------------------
 
 
@@ -259,6 +279,9 @@ async def test_stop_strings_and_length_on_the_default_model(serve_smol):
     ("/v1/chat/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("/v1/chat/completions", {"top_logprobs": 9, "logprobs": True}, "top_logprobs"),
     ("/v1/chat/completions", {"cache_slot": 4}, "cache_slot"),
+    ("/v1/chat/completions", {"top_k": -2}, "top_k"),
+    ("/v1/chat/completions", {"top_k": 1 << 40}, "top_k"),  # past the sampler's int32
+    ("/v1/completions", {"min_p": 1.5}, "min_p"),
     ("/v1/chat/completions", {"messages": None}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages[0].content"),

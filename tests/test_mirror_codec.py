@@ -24,7 +24,7 @@ def same(a, b) -> bool:
                 and a.tobytes() == b.tobytes())
     if isinstance(a, SamplingRow):
         return type(b) is SamplingRow and all(same(getattr(a, f), getattr(b, f))
-                                              for f in ("temperature", "top_p", "key", "want_top"))
+                                              for f in ("temperature", "top_p", "top_k", "min_p", "key", "want_top"))
     if isinstance(a, list):
         return isinstance(b, list) and len(a) == len(b) and all(map(same, a, b))
     if isinstance(a, float):
@@ -43,7 +43,7 @@ def test_exact_bytes():
 
 def test_a_decode_call_round_trips():
     key = np.array([12, 34], np.uint32)
-    rows = [SamplingRow(0.7, 0.9, key, True), SamplingRow(0.0, 1.0, key, False)]
+    rows = [SamplingRow(0.7, 0.9, 40, 0.05, key, True), SamplingRow(0.0, 1.0, 0, 0.0, key, False)]
     op, args = decode(encode(Op.DECODE, ([5, 6], [0, 1], [10, 11], rows), MIRROR_RECORDS), MIRROR_RECORDS)
     assert op is Op.DECODE and same(args, [[5, 6], [0, 1], [10, 11], rows])
 
@@ -74,7 +74,7 @@ def test_an_empty_frame_is_one_part():
 @pytest.mark.parametrize(("value", "words"), [
     (1 << 63, "does not fit 64 bits"),
     (object(), "object is not carried"),
-    (SamplingRow(0.0, 1.0, np.zeros(2, np.uint32), False), "SamplingRow is not carried"),
+    (SamplingRow(0.0, 1.0, 0, 0.0, np.zeros(2, np.uint32), False), "SamplingRow is not carried"),
     (np.zeros(2, np.complex64), "arrays of complex64"),
     ([[[[[[[[[[1]]]]]]]]]], "nest deeper"),
 ])
@@ -102,7 +102,7 @@ def test_frames_it_refuses(frame, words):
 
 def test_a_record_with_the_wrong_fields_is_refused():
     frame = b"\x01\x00L\x01\x00\x00\x00R\x00L\x01\x00\x00\x00N"
-    with pytest.raises(MirrorError, match="a SamplingRow has 4 fields"):
+    with pytest.raises(MirrorError, match="a SamplingRow has 6 fields"):
         decode(frame, MIRROR_RECORDS)
 
 
@@ -111,7 +111,7 @@ def test_a_record_with_the_wrong_fields_is_refused():
 arrays = st.sampled_from(sorted(DTYPES)).flatmap(
     lambda name: hnp.arrays(DTYPES[name], hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4),
                             elements=None if name != "bfloat16" else st.floats(-1e3, 1e3, width=32)))
-rows = st.builds(SamplingRow, st.floats(0, 2), st.floats(0, 1),
+rows = st.builds(SamplingRow, st.floats(0, 2), st.floats(0, 1), st.integers(0, 1 << 20), st.floats(0, 1),
                  hnp.arrays(np.uint32, 2), st.booleans())
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 63) - 1),
                     st.floats(allow_nan=True), st.text(max_size=20), arrays, rows)

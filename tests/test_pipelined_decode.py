@@ -28,7 +28,7 @@ def prompt_of(model, length: int, salt: int) -> list[int]:
 
 
 def row(key, want_top=True) -> SamplingRow:
-    return SamplingRow(SAMPLED["temperature"], SAMPLED["top_p"], key, want_top)
+    return SamplingRow(SAMPLED["temperature"], SAMPLED["top_p"], 0, 0.0, key, want_top)
 
 
 def as_tuple(s):

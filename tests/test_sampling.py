@@ -1,4 +1,4 @@
-"""`sample`: per-row temperature, top-p and PRNG key in one batched call."""
+"""`sample`: per-row temperature, top-k, top-p, min-p and PRNG key in one batched call."""
 
 from __future__ import annotations
 
@@ -19,22 +19,21 @@ def keys(*seeds: int) -> jax.Array:
     return jnp.stack([request_key(s) for s in seeds])
 
 
-def run(logits, temperature, top_p, key, want_top=False):
+def run(logits, temperature, top_p, key, want_top=False, top_k=0, min_p=0.0):
     b = len(logits)
-    return sample(
-        jnp.asarray(logits),
-        jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (b,)),
-        jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (b,)),
-        key,
-        want_top,
-    )
+
+    def per_row(value, dtype):
+        return jnp.broadcast_to(jnp.asarray(value, dtype), (b,))
+
+    return sample(jnp.asarray(logits), per_row(temperature, jnp.float32), per_row(top_p, jnp.float32),
+                  per_row(top_k, jnp.int32), per_row(min_p, jnp.float32), key, want_top)
 
 
-def draws(seed: int, steps: int, logits: np.ndarray, temperature=1.0, top_p=1.0) -> list[int]:
+def draws(seed: int, steps: int, logits: np.ndarray, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0) -> list[int]:
     """`steps` tokens from one row, chaining the key the way a request does."""
     key, out = keys(seed), []
     for _ in range(steps):
-        token, _, key, _, _ = run(logits[None], temperature, top_p, key)
+        token, _, key, _, _ = run(logits[None], temperature, top_p, key, top_k=top_k, min_p=min_p)
         out.append(int(token[0]))
     return out
 
@@ -53,8 +52,10 @@ def test_mixed_batch_gives_greedy_rows_their_argmax():
     logits = rows(4, seed=1)
     temperature = jnp.asarray([0.0, 1.5, 0.0, 1.0], jnp.float32)
     top_p = jnp.asarray([1.0, 1.0, 0.5, 0.9], jnp.float32)
+    top_k, min_p = jnp.asarray([0, 3, 0, 0], jnp.int32), jnp.asarray([0.0, 0.0, 0.0, 0.1], jnp.float32)
     for seed in range(5):
-        tokens, _, _, _, _ = sample(jnp.asarray(logits), temperature, top_p, keys(seed, seed + 10, seed + 20, seed + 30))
+        tokens, _, _, _, _ = sample(jnp.asarray(logits), temperature, top_p, top_k, min_p,
+                                    keys(seed, seed + 10, seed + 20, seed + 30))
         tokens = np.asarray(tokens)
         assert tokens[0] == logits[0].argmax()
         assert tokens[2] == logits[2].argmax()
@@ -110,3 +111,52 @@ def test_top_p_zero_keeps_the_top_token():
     logits = rows(2, seed=5)
     tokens, _, _, _, _ = run(logits, 1.0, 0.0, keys(0, 1))
     np.testing.assert_array_equal(np.asarray(tokens), logits.argmax(-1))
+
+
+def flat_five() -> np.ndarray:
+    """Five tokens with most of the mass, the fifth 1/20 as likely as the first."""
+    logits = np.full(VOCAB, -30.0, np.float32)
+    logits[[10, 11, 12, 13, 14]] = np.log([1.0, 0.8, 0.6, 0.3, 0.05])
+    return logits
+
+
+def test_top_k_samples_only_from_the_k_likeliest():
+    logits = flat_five()
+    seen = {t for seed in range(60) for t in draws(seed, 1, logits, top_k=2)}
+    assert seen == {10, 11}
+    seen = {t for seed in range(200) for t in draws(seed, 1, logits, top_k=4)}
+    assert seen == {10, 11, 12, 13}
+    assert {t for seed in range(5) for t in draws(seed, 1, logits, top_k=1)} == {10}
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_likeliest():
+    logits = flat_five()
+    seen = {t for seed in range(200) for t in draws(seed, 1, logits, min_p=0.5)}
+    assert seen == {10, 11, 12}  # 0.3 and 0.05 are under half of 1.0
+    seen = {t for seed in range(400) for t in draws(seed, 1, logits, min_p=0.04)}
+    assert seen == {10, 11, 12, 13, 14}
+
+
+def test_cuts_apply_per_row_in_one_batch():
+    """One row cut to its top token, the next by min_p, the third free: each keeps its own."""
+    logits = np.stack([flat_five()] * 3)
+    seen: list[set] = [set(), set(), set()]
+    for seed in range(200):
+        tokens, _, _, _, _ = sample(jnp.asarray(logits), jnp.ones(3, jnp.float32), jnp.ones(3, jnp.float32),
+                                    jnp.asarray([1, 0, 0], jnp.int32), jnp.asarray([0.0, 0.5, 0.0], jnp.float32),
+                                    keys(seed, seed + 1000, seed + 2000))
+        for r, t in enumerate(np.asarray(tokens)):
+            seen[r].add(int(t))
+    assert seen[0] == {10}
+    assert seen[1] == {10, 11, 12}
+    assert seen[2] == {10, 11, 12, 13, 14}
+
+
+def test_cuts_leave_logprobs_and_greedy_rows_alone():
+    """Logprobs are of the model's distribution before any cut; a greedy row takes its
+    argmax whatever its cuts say."""
+    logits = rows(2, seed=6)
+    plain = run(logits, 0.0, 1.0, keys(0, 1))
+    cut = run(logits, 0.0, 1.0, keys(0, 1), top_k=3, min_p=0.2)
+    np.testing.assert_array_equal(np.asarray(cut[0]), logits.argmax(-1))
+    np.testing.assert_allclose(np.asarray(cut[1]), np.asarray(plain[1]), rtol=1e-6)

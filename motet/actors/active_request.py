@@ -82,7 +82,7 @@ class Active:
 
     def sampling_row(self) -> SamplingRow:
         r = self.request
-        return SamplingRow(r.temperature, r.top_p, self.key, r.top_logprobs > 0)
+        return SamplingRow(r.temperature, r.top_p, r.top_k, r.min_p, self.key, r.top_logprobs > 0)
 
 
 def add_routing(counts: np.ndarray, experts: np.ndarray) -> None:

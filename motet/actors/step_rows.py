@@ -19,14 +19,16 @@ class SamplingRow:
 
     temperature: float
     top_p: float
+    top_k: int
+    min_p: float
     key: np.ndarray  # uint32[2]
     want_top: bool
 
 
 # What a padding row of a batch samples (greedy; the result is dropped).
-FILLER_ROW = SamplingRow(0.0, 1.0, np.zeros(2, np.uint32), False)
+FILLER_ROW = SamplingRow(0.0, 1.0, 0, 0.0, np.zeros(2, np.uint32), False)
 # What the warm-up's decode rows sample.
-WARM_ROW = SamplingRow(0.7, 0.9, np.zeros(2, np.uint32), True)
+WARM_ROW = SamplingRow(0.7, 0.9, 40, 0.05, np.zeros(2, np.uint32), True)
 
 
 @dataclass(frozen=True)
@@ -49,12 +51,14 @@ class DecodeInFlight:
 
 
 def sampling_arrays(rows: list[SamplingRow], bucket: int):
-    """sample's (temperature, top_p, keys) for `rows`, then padding rows up to `bucket`
+    """sample's (temperature, top_p, top_k, min_p, keys) for `rows`, then padding rows up to `bucket`
     (sampled greedily, dropped: one compiled sampler per batch bucket, not per number
     of rows)."""
     padded = rows + [FILLER_ROW] * (bucket - len(rows))
     return (np.asarray([r.temperature for r in padded], np.float32),
             np.asarray([r.top_p for r in padded], np.float32),
+            np.asarray([r.top_k for r in padded], np.int32),
+            np.asarray([r.min_p for r in padded], np.float32),
             np.stack([r.key for r in padded]).astype(np.uint32))
 
 

@@ -290,14 +290,14 @@ class Engine(Service, Collected):
 
     @asynccontextmanager
     async def stream(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0,
-                     top_p: float = 1.0, seed: int | None = None, slot: int | None = None,
-                     stop=(), top_logprobs: int = 0, request_id: int | None = None,
+                     top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
+                     slot: int | None = None, stop=(), top_logprobs: int = 0, request_id: int | None = None,
                      prefill_only: bool = False):
         """Submit a request; yields its EventStream. Leaving the block early, or a cancel
         of the surrounding scope, cancels the request."""
-        request = GenerationRequest.of(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                       slot=slot, stop=stop, top_logprobs=top_logprobs, request_id=request_id,
-                                       prefill_only=prefill_only)
+        request = GenerationRequest.of(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                       top_k=top_k, min_p=min_p, seed=seed, slot=slot, stop=stop,
+                                       top_logprobs=top_logprobs, request_id=request_id, prefill_only=prefill_only)
         rid = request_id if request_id is not None else next(self._ids)
         send, receive = open_stream()
         await self._send(Submit(rid, request, self.encode(prompt), send))

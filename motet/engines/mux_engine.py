@@ -9,9 +9,10 @@ One reader task demultiplexes the child's stdout into per-request channels; one 
 owns its stdin. The wire has no "any slot": slots are chosen here (runtime/slot_table.py).
 
 What the wire imposes: prompts are text (token ids are a BadRequest); `seed` is ignored
-(SUBMIT has none); token ids are None, logprobs come only with `top_logprobs` (from TOPK
-lines); stop strings are matched here, then STOP ends the request; a request that waited
-for a slot meets a refusal (ContextExceeded, ...) at its first event, not at entry.
+(SUBMIT has none); top_k and min_p are refused; token ids are None, logprobs come only with
+`top_logprobs` (from TOPK lines); stop strings are matched here, then STOP ends the
+request; a request that waited for a slot meets a refusal (ContextExceeded, ...) at its
+first event, not at entry.
 
 A slot's KV goes through motet's [extension] commands: save_slot / restore_slot /
 erase_slot (SAVE, RESTORE, ERASE) and prefill (PREFILL); a slot they use is not chosen for
@@ -272,13 +273,18 @@ class MuxEngine(ChatFiles, Service, Collected):
 
     @asynccontextmanager
     async def stream(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0,
-                     top_p: float = 1.0, seed: int | None = None, slot: int | None = None,
-                     stop=(), top_logprobs: int = 0, request_id: int | None = None,
+                     top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
+                     slot: int | None = None, stop=(), top_logprobs: int = 0, request_id: int | None = None,
                      prefill_only: bool = False):
-        """As Engine.stream; `seed` is ignored (the mux protocol carries none)."""
-        request = GenerationRequest.of(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                       slot=slot, stop=stop, top_logprobs=top_logprobs, request_id=request_id,
-                                       prefill_only=prefill_only)
+        """As Engine.stream; `seed` is ignored (the mux protocol carries none), and a
+        top_k or min_p cut is refused: the wire has no field for it, and the child would
+        sample without it."""
+        request = GenerationRequest.of(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                       top_k=top_k, min_p=min_p, seed=seed, slot=slot, stop=stop,
+                                       top_logprobs=top_logprobs, request_id=request_id, prefill_only=prefill_only)
+        if top_k or min_p:
+            raise BadRequest("top_k and min_p are not carried by the mux protocol: a mux engine samples "
+                             "with temperature and top_p only")
         # What the wire cannot carry is refused here, at entry, not by the child at the first
         # event (in-band, for a request that waited for a slot), nor in _submit (the reader's)
         check_wire_prompt(prompt)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeGuard
 
+from ..runtime.api import MAX_TOP_K
 from ..runtime.serve_settings import MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOPS
 
 MAX_TOP_LOGPROBS = 5
@@ -45,6 +46,8 @@ class Options:
     max_tokens: int | None = None  # None: the server's default
     temperature: float = 1.0  # OpenAI's default
     top_p: float = 1.0
+    top_k: int = 0  # vLLM's and llama.cpp's extension: 0 (or -1) no cut
+    min_p: float = 0.0  # likewise: 0 no cut
     stop: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: bool = False  # report each token's logprob
@@ -238,10 +241,14 @@ def _options(body: dict, limits: Limits, max_tokens: int | None, logprobs: bool,
     top_p = _number(body, "top_p", 0.0, 1.0)
     if top_p is not None and top_p == 0.0:
         raise InvalidRequest("'top_p' must be in (0, 1]", "top_p")
+    top_k = _int(body, "top_k", -1, MAX_TOP_K)
+    min_p = _number(body, "min_p", 0.0, 1.0)
     return Options(
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
+        top_k=max(top_k or 0, 0),
+        min_p=min_p or 0.0,
         stop=_stop(body.get("stop"), limits),
         seed=_int(body, "seed", 0, (1 << 63) - 1),
         logprobs=logprobs,

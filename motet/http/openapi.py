@@ -12,6 +12,7 @@ from __future__ import annotations
 from functools import partial
 
 from .. import __version__
+from ..runtime.api import MAX_TOP_K
 from ..runtime.serve_settings import ServeSettings
 from .openai_schema import MAX_TOP_LOGPROBS, ROLES
 from .slots import FILENAME_PATTERN, MAX_FILENAME_BYTES
@@ -61,6 +62,10 @@ def _schemas(settings: ServeSettings, slots: int) -> dict:
         "max_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": settings.max_context}),
         "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
         "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+        "top_k": _nullable({"type": "integer", "minimum": -1, "maximum": MAX_TOP_K,
+                            "description": "sample from the k likeliest tokens; 0 or -1: all (vLLM, llama.cpp)"}),
+        "min_p": _nullable({"type": "number", "minimum": 0, "maximum": 1,
+                            "description": "drop tokens less likely than min_p times the likeliest (vLLM, llama.cpp)"}),
         "stop": {"anyOf": [stop, {"type": "array", "items": stop, "maxItems": settings.max_stops},
                            {"type": "null"}]},
         "stream": _nullable({"type": "boolean"}),

@@ -209,7 +209,7 @@ def decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, sampling
                    cfg, moe_impl="auto"):
     """decode, and each row's next token drawn from its logits by sampling.sample in the
     same compiled call: one dispatch and one read-back a step instead of several (0.5 ms
-    of a 5 ms MoE step, measured). sampling: sample's (temperature, top_p, keys) for
+    of a 5 ms MoE step, measured). sampling: sample's (temperature, top_p, top_k, min_p, keys) for
     every row; want_top: a bool array.
 
     carry [slots + 1, 4] int32: per KV slot, what the last step that fed it sampled
@@ -230,13 +230,13 @@ CARRY_WIDTH = 4
 @partial(jax.jit, static_argnames=("cfg", "moe_impl", "mesh"))
 def _decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, sampling, want_top, carry, chained, *,
                     cfg, moe_impl, mesh):
-    temperature, top_p, keys = sampling
+    temperature, top_p, top_k, min_p, keys = sampling
     held = carry[slots]
     tokens = jnp.where(chained, held[:, 0], tokens)
     keys = jnp.where(chained[:, None], jax.lax.bitcast_convert_type(held[:, 2:4], jnp.uint32), keys)
     logits, new_k, new_v, routing = _decode(weights, k_cache, v_cache, tokens, slots, positions, cfg=cfg,
                                             moe_impl=moe_impl, mesh=mesh)
-    drawn = pack_sampled(sample(logits, temperature, top_p, keys, want_top))
+    drawn = pack_sampled(sample(logits, temperature, top_p, top_k, min_p, keys, want_top))
     carry = carry.at[slots].set(drawn[:, :CARRY_WIDTH])
     if mesh is not None:  # as empty_carry placed it: one signature for every step
         carry = jax.lax.with_sharding_constraint(carry, NamedSharding(mesh, P()))
@@ -257,7 +257,8 @@ def lower_decode_sampled(weights, k_cache, v_cache, batch: int, *, cfg, moe_impl
     """decode_sampled for a padded batch of `batch` rows, traced and lowered (as
     lower_prefill)."""
     rows = jax.device_put(np.zeros(batch, np.int32))
-    sampling = (np.zeros(batch, np.float32), np.ones(batch, np.float32), np.zeros((batch, 2), np.uint32))
+    sampling = (np.zeros(batch, np.float32), np.ones(batch, np.float32), np.zeros(batch, np.int32),
+                np.zeros(batch, np.float32), np.zeros((batch, 2), np.uint32))
     carry = empty_carry(k_cache[0].shape[0], mesh_of(weights))
     return _decode_sampled.trace(weights, k_cache, v_cache, rows, rows, rows, sampling, np.bool_(False), carry,
                                  np.zeros(batch, np.bool_), cfg=cfg, moe_impl=moe_impl,

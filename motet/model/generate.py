@@ -104,7 +104,7 @@ def dispatch_decode(model: Model, kv, geo: KVGeometry, tokens: Sequence[int], sl
                     positions: Sequence[int], sampling, want_top: bool, carry, chained: Sequence[bool] = (),
                     moe_impl: str = "auto"):
     """decode_padded and sampling.sample in one compiled call, dispatched and not waited
-    for. sampling: sample's (temperature, top_p, keys), host arrays over the padded
+    for. sampling: sample's (temperature, top_p, top_k, min_p, keys), host arrays over the padded
     batch; carry, chained: as forward.decode_sampled (chained: per real row, none set
     when empty). Returns (the step's packed output on the device, for read_decode; the
     updated kv; the updated carry)."""
@@ -130,8 +130,8 @@ def read_decode(model: Model, packed, rows: int):
 
 
 def generate(model: Model, prompt_ids: Sequence[int], *, max_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, max_context: int | None = None,
-             chunk: int = 512) -> Iterator[int]:
+             top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int = 0,
+             max_context: int | None = None, chunk: int = 512) -> Iterator[int]:
     """Yield sampled token ids one by one until an end-of-turn token, max_tokens or the
     end of the context (prompt and answer together at most the context). The
     end-of-turn token itself is not yielded."""
@@ -145,11 +145,12 @@ def generate(model: Model, prompt_ids: Sequence[int], *, max_tokens: int, temper
     logits, kv = prefill_slot(model, kv, geo, 0, prompt_ids, 0)
     logits = logits[None]
     key = request_key(seed)[None]
-    temp, nucleus = jnp.asarray([temperature], jnp.float32), jnp.asarray([top_p], jnp.float32)
+    cuts = (jnp.asarray([temperature], jnp.float32), jnp.asarray([top_p], jnp.float32),
+            jnp.asarray([top_k], jnp.int32), jnp.asarray([min_p], jnp.float32))
     position = len(prompt_ids)
     eos = model.tokenizer.eos_ids
     for _ in range(max_tokens):
-        token, _, key, _, _ = sample(logits, temp, nucleus, key)
+        token, _, key, _, _ = sample(logits, *cuts, key)
         token_id = int(token[0])
         if token_id in eos:
             return

@@ -1,6 +1,6 @@
-"""Sampling on the device: per-row temperature, top-p and PRNG key, so a batch that
-mixes greedy and sampled requests runs one compiled function (one per batch size, with
-or without top candidates)."""
+"""Sampling on the device: per-row temperature, top-k, top-p, min-p and PRNG key, so a
+batch that mixes greedy and sampled requests runs one compiled function (one per batch
+size, with or without top candidates)."""
 
 from __future__ import annotations
 
@@ -25,18 +25,38 @@ def _top_p_mask(logits: jax.Array, top_p: jax.Array) -> jax.Array:
     return jnp.where(keep, logits, -jnp.inf)
 
 
+def _top_k_mask(logits: jax.Array, top_k: jax.Array) -> jax.Array:
+    """Logits below each row's k-th largest set to -inf (k 0: the row keeps them all;
+    ties with the k-th are kept too)."""
+    vocab = logits.shape[-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(-jnp.sort(-logits, axis=-1), (k - 1)[:, None], axis=-1)
+    return jnp.where(logits >= kth, logits, -jnp.inf)
+
+
+def _min_p_mask(logits: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Logits of tokens less likely than min_p times the row's likeliest set to -inf
+    (min_p 0: none)."""
+    floor = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(min_p)[:, None]
+    return jnp.where(logits >= floor, logits, -jnp.inf)
+
+
 TOP_CANDIDATES = 5  # the most top logprobs a request may ask for
 
 
 @jax.jit
-def sample(logits, temperature, top_p, keys, want_top=False):
+def sample(logits, temperature, top_p, top_k, min_p, keys, want_top=False):
     """Pick one token per row.
 
-    logits [b, v] float32; temperature, top_p [b]; keys [b, 2] uint32; want_top: a
-    bool, traced (the top candidates cost time only when asked for).
+    logits [b, v] float32; temperature, top_p, min_p [b] float32; top_k [b] int32 (0:
+    none); keys [b, 2] uint32; want_top: a bool, traced (the top candidates cost time
+    only when asked for). A sampled row draws from its logits over temperature, cut to
+    its top k, then to its nucleus (top_p), then to the tokens at least min_p times as
+    likely as its likeliest (each cut, and its sort, runs only when some row asks for it).
     Returns (tokens [b], logprob of each token [b], next keys [b, 2], the top
     candidates' ids [b, TOP_CANDIDATES] and logprobs, zeros unless want_top). Logprobs
-    are of the model's distribution before temperature and top-p, as OpenAI reports them.
+    are of the model's distribution before temperature and the cuts, as OpenAI reports
+    them.
     """
     greedy = jnp.argmax(logits, axis=-1)
     split = jax.vmap(lambda k: jax.random.split(jax.random.wrap_key_data(k)))(keys)
@@ -44,9 +64,9 @@ def sample(logits, temperature, top_p, keys, want_top=False):
 
     def draw(_):
         scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-        scaled = jax.lax.cond(
-            jnp.any(top_p < 1.0), lambda s: _top_p_mask(s, top_p), lambda s: s, scaled
-        )
+        scaled = jax.lax.cond(jnp.any(top_k > 0), lambda s: _top_k_mask(s, top_k), lambda s: s, scaled)
+        scaled = jax.lax.cond(jnp.any(top_p < 1.0), lambda s: _top_p_mask(s, top_p), lambda s: s, scaled)
+        scaled = jax.lax.cond(jnp.any(min_p > 0.0), lambda s: _min_p_mask(s, min_p), lambda s: s, scaled)
         return jax.vmap(jax.random.categorical)(use, scaled).astype(greedy.dtype)
 
     # An all-greedy batch skips the random draw: Gumbel noise over the vocabulary costs

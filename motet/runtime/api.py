@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "cancelled", "prefilled"]
+MAX_TOP_K = (1 << 31) - 1  # the sampler keeps top_k in int32
 
 
 def sampling_problem(max_tokens: int, temperature: float, top_p: float) -> str | None:
@@ -27,6 +28,8 @@ class GenerationRequest:
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: no cut
+    min_p: float = 0.0  # 0: no cut
     seed: int | None = None
     slot: int | None = None
     stop: tuple[str, ...] = ()
@@ -48,6 +51,10 @@ class GenerationRequest:
 
         if (problem := sampling_problem(self.max_tokens, self.temperature, self.top_p)) is not None:
             raise BadRequest(problem)
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise BadRequest(f"top_k must be in [0, {MAX_TOP_K}] (0: no cut), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise BadRequest(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 <= self.top_logprobs <= 5:
             raise BadRequest(f"top_logprobs must be in [0, 5], got {self.top_logprobs}")
         if self.request_id is not None and self.request_id <= 0:

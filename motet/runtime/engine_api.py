@@ -45,7 +45,8 @@ class EngineAPI(Protocol):
         ...
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 256, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int | None = None, slot: int | None = None,
+               top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
+               slot: int | None = None,
                stop: str | Sequence[str] = (), top_logprobs: int = 0, request_id: int | None = None,
                prefill_only: bool = False) -> AbstractAsyncContextManager[Events]: ...
 
