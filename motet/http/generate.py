@@ -58,10 +58,8 @@ class Turn:
 def engine_kwargs(options: Options, default_max_tokens: int) -> dict:
     return dict(
         max_tokens=options.max_tokens or default_max_tokens, temperature=options.temperature,
-        top_p=options.top_p, seed=options.seed, slot=options.cache_slot, stop=options.stop,
-        # sent only when asked for: a mux engine refuses them, and takes the rest
-        **({"top_k": options.top_k} if options.top_k else {}),
-        **({"min_p": options.min_p} if options.min_p else {}),
+        top_p=options.top_p, top_k=options.top_k, min_p=options.min_p, seed=options.seed,
+        slot=options.cache_slot, stop=options.stop,
         # a token's own logprob and text come with its candidates (a mux engine has no other)
         top_logprobs=max(1, options.top_logprobs) if options.logprobs else 0,
     )
