@@ -200,20 +200,21 @@ def bare_step_ms(model, context: int, repeats: int = 30) -> float:
     """One row's decode step with nothing around it: the engine's jitted step with its
     greedy sampling, its KV write, the token read back to the host each step (as the
     engine did before it pipelined its steps)."""
-    from motet.model.forward import empty_carry
+    from motet.model.forward import empty_carry, greedy_sampling
     from motet.model.generate import dispatch_decode, read_decode
     from motet.model.kv import KVGeometry, init_kv
+    from motet.model.logit_history import empty_history
 
     geo = KVGeometry(n_slots=STREAMS, max_context=context, chunk=256)
     kv = init_kv(model.config, geo, model.kv_dtype)
-    greedy = (np.zeros(1, np.float32), np.ones(1, np.float32), np.zeros(1, np.int32), np.zeros(1, np.float32),
-              np.zeros((1, 2), np.uint32))
-    carry = empty_carry(geo.scratch_slot + 1)
+    greedy = greedy_sampling(1)
+    carry, history = empty_carry(geo.scratch_slot + 1), empty_history(geo.scratch_slot + 1, model.config.vocab_size)
     token, best = 1, float("inf")
     for attempt in range(4):  # the first compiles
         started = time.perf_counter()
         for i in range(repeats):
-            packed, kv, carry = dispatch_decode(model, kv, geo, [token], [0], [64 + i], greedy, False, carry)
+            packed, kv, carry, history = dispatch_decode(model, kv, geo, [token], [0], [64 + i], greedy, False,
+                                                         carry, history)
             token = int(read_decode(model, packed, 1)[0][0][0])
         if attempt:
             best = min(best, (time.perf_counter() - started) / repeats)

@@ -253,7 +253,7 @@ async def test_top_k_and_min_p_cut_the_draw(serve_tiny, request):
         client = sync_client(url)
         ask = partial(client.chat.completions.create, model="m", messages=HELLO, max_tokens=8)
         if "mux" in request.node.callspec.id:
-            with pytest.raises(openai.BadRequestError, match="top_k and min_p are not carried"):
+            with pytest.raises(openai.BadRequestError, match="top_k: not carried by the mux protocol"):
                 await in_thread(ask, temperature=1.0, extra_body={"top_k": 1})
             return
         greedy = (await in_thread(ask, temperature=0)).choices[0].message.content
@@ -265,6 +265,32 @@ async def test_top_k_and_min_p_cut_the_draw(serve_tiny, request):
         assert free != {greedy}  # without a cut, the tiny model's draws do differ
 
 
+async def test_penalties_bias_and_stop_ids_from_the_official_client(serve_tiny, request):
+    """OpenAI's logit_bias and penalties as the client sends them, vLLM's
+    repetition_penalty and stop_token_ids through extra_body: a bias of 100 makes every
+    token the one it names, and that token as a stop id ends the answer before it. The
+    mux protocol carries none of them: a mux engine refuses each."""
+    async with serve_tiny() as (engine, url):
+        client = sync_client(url)
+        ask = partial(client.completions.create, model="m", prompt="the sea is", max_tokens=6, temperature=0)
+        if "mux" in request.node.callspec.id:
+            for fields in (dict(logit_bias={"5": 1}), dict(presence_penalty=0.5),
+                           dict(extra_body={"stop_token_ids": [5]})):
+                with pytest.raises(openai.BadRequestError, match="not carried by the mux protocol"):
+                    await in_thread(ask, **fields)
+            return
+        plain = await in_thread(ask, max_tokens=24)
+        penalized = await in_thread(ask, max_tokens=24, frequency_penalty=2.0, presence_penalty=1.0,
+                                    extra_body={"repetition_penalty": 2.0})
+        token = engine.tokenize(" sea", add_special=False)[0]
+        forced = await in_thread(ask, logit_bias={str(token): 100})
+        stopped = await in_thread(ask, logit_bias={str(token): 100}, extra_body={"stop_token_ids": [token]})
+    assert penalized.choices[0].text != plain.choices[0].text
+    assert forced.choices[0].text == engine.detokenize([token] * 6)
+    assert stopped.choices[0].text == "" and stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens == 0
+
+
 # ---- errors ------------------------------------------------------------------------
 
 
@@ -272,8 +298,14 @@ async def test_top_k_and_min_p_cut_the_draw(serve_tiny, request):
     ("/v1/chat/completions", {"temperature": 3}, "temperature"),
     ("/v1/chat/completions", {"top_p": 0}, "top_p"),
     ("/v1/chat/completions", {"n": 2}, "n"),
-    ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
-    ("/v1/chat/completions", {"frequency_penalty": -1}, "frequency_penalty"),
+    ("/v1/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/chat/completions", {"frequency_penalty": "1"}, "frequency_penalty"),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/chat/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": [5, 1]}, "logit_bias"),
+    ("/v1/completions", {"stop_token_ids": [-1]}, "stop_token_ids"),
+    ("/v1/completions", {"stop_token_ids": 3}, "stop_token_ids"),
     ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
     ("/v1/chat/completions", {"max_tokens": "12"}, "max_tokens"),
     ("/v1/chat/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),

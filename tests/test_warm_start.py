@@ -108,11 +108,12 @@ async def test_a_second_start_compiles_nothing_and_no_request_waits_on_the_compi
 
 async def check_every_path_is_warm(engine: Engine, folder) -> None:
     """Two bursts of mixed requests (greedy and sampled, with and without top logprobs,
-    prompts of several lengths), a prefill-only request, a save and a restore: nothing
-    compiles after ready."""
+    penalties and a bias, prompts of several lengths), a prefill-only request, a save and
+    a restore: nothing compiles after ready."""
     async def ask(i: int, number: int):
+        penalties = dict(frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={5: 1.0}) if i % 4 == 3 else {}
         return await engine.complete(prompt(i, number), max_tokens=8, temperature=0.8 * (i % 2),
-                                     top_logprobs=i % 3, seed=i)
+                                     top_logprobs=i % 3, seed=i, **penalties)
 
     await burst(ask, 1)
     await burst(ask, 2)

@@ -82,7 +82,14 @@ class Active:
 
     def sampling_row(self) -> SamplingRow:
         r = self.request
-        return SamplingRow(r.temperature, r.top_p, r.top_k, r.min_p, self.key, r.top_logprobs > 0)
+        return SamplingRow(r.temperature, r.top_p, r.top_k, r.min_p, self.key, r.top_logprobs > 0,
+                           r.presence_penalty, r.frequency_penalty, r.repetition_penalty, r.uses_history)
+
+    def history_start(self) -> tuple[tuple[int, ...], tuple[tuple[int, float], ...]] | None:
+        """What the runner resets the slot's LogitHistory with as the answer begins (the
+        whole prompt, the bias), None when the request reads no history."""
+        r = self.request
+        return (tuple(self.submit.prompt), r.logit_bias) if r.uses_history else None
 
 
 def add_routing(counts: np.ndarray, experts: np.ndarray) -> None:

@@ -20,6 +20,7 @@ from ..model.expert_source import ArrayExpertReader
 from ..model.forward import empty_carry, lower_decode, lower_decode_sampled, lower_prefill
 from ..model.generate import dispatch_decode, model_kv_sharding, prefill_slot, read_decode
 from ..model.kv import KVGeometry, batch_bucket, init_kv, read_slot_layer, write_slot_layer
+from ..model.logit_history import begin, empty_history, sample_with_history, start_rows
 from ..model.model import Model
 from ..model.sampling import request_key, sample
 from ..model.sharding import TP, MeshSpec, mesh_axis, mesh_of, model_mesh, place_weights
@@ -28,7 +29,16 @@ from ..model.tiered_model import TieredModel
 from ..protocol.mirror import Op, encode
 from ..runtime.api import ExpertTiers
 from .expert_policy import ExpertPlan
-from .step_rows import FILLER_ROW, WARM_ROW, DecodeInFlight, Sampled, SamplingRow, sampled_rows, sampling_arrays
+from .step_rows import (
+    FILLER_ROW,
+    WARM_PENALIZED_ROW,
+    WARM_ROW,
+    DecodeInFlight,
+    Sampled,
+    SamplingRow,
+    sampled_rows,
+    sampling_arrays,
+)
 from .warmup import DECODE, EXPERT_MOVE, PREFILL, SLOT_WIDTH, WarmShape, WarmupPlan
 
 # Loads one placement may start per layer between two steps: re-pinning catches up over
@@ -97,8 +107,9 @@ class ModelRunner:
         self._mirror(Op.START, geo.n_slots, geo.max_context, geo.chunk, fingerprint(model))
         dtype = model.weights["lm_head"].dtype
         self.kv = init_kv(cfg, geo, model.kv_dtype, model_kv_sharding(model))
-        # per slot, what its last decode step sampled
+        # per slot, what its last decode step sampled, and what its request has seen
         self.carry = empty_carry(geo.scratch_slot + 1, mesh_of(model.weights))
+        self.history = empty_history(geo.scratch_slot + 1, cfg.vocab_size, mesh_of(model.weights))
         # Seconds spent sampling in calls of their own (after a prefill, and tiered decode
         # steps; a resident decode step samples inside its own call): the scheduler splits
         # a step's time with it.
@@ -129,14 +140,18 @@ class ModelRunner:
         if self.mirror is not None:
             self.mirror(encode(op, args, MIRROR_RECORDS))
 
-    def prefill(self, slot: int, ids: list[int], offset: int, row: SamplingRow) -> Sampled:
+    def prefill(self, slot: int, ids: list[int], offset: int, row: SamplingRow, history=None) -> Sampled:
         """Run `ids` (at most one chunk) into `slot` at `offset` and sample the next token
-        from the last one's logits."""
-        self._mirror(Op.PREFILL, slot, ids, offset, row)
+        from the last one's logits. history: (the whole prompt, the logit bias) a request
+        that reads its LogitHistory starts its slot's with (Active.history_start)."""
+        self._mirror(Op.PREFILL, slot, ids, offset, row, history)
+        if history is not None:
+            seen, bias = start_rows(self.model.config.vocab_size, *history)
+            self.history = begin(self.history, np.int32(slot), seen, bias)
         logits, experts = self._extend(slot, ids, offset)
         # the prompt's routing counts toward the first token: [layers, k·len(ids)]
         layers, tokens, k = experts.shape
-        return self._sample(logits[None], [row], experts.reshape(1, layers, tokens * k))[0]
+        return self._sample(logits[None], [row], experts.reshape(1, layers, tokens * k), [slot])[0]
 
     def extend(self, slot: int, ids: list[int], offset: int):
         """Run a chunk into the cache: (logits after its last token, routing [layers, t, k])."""
@@ -182,10 +197,12 @@ class ModelRunner:
             if any(chained):
                 raise ValueError("tiered decode steps do not chain (ModelRunner.chains)")
             logits, self.kv, experts = self.tiered.decode_padded(self.kv, self.geo, tokens, slots, positions)
-            return DecodeInFlight(tuple(rows), results=tuple(self._sample(logits, rows, experts.transpose(1, 0, 2))))
+            sampled = self._sample(logits, rows, experts.transpose(1, 0, 2), slots, tokens)
+            return DecodeInFlight(tuple(rows), results=tuple(sampled))
         sampling = sampling_arrays(rows, batch_bucket(len(rows)))
-        packed, self.kv, self.carry = dispatch_decode(self.model, self.kv, self.geo, tokens, slots, positions,
-                                                      sampling, any(r.want_top for r in rows), self.carry, chained)
+        packed, self.kv, self.carry, self.history = dispatch_decode(
+            self.model, self.kv, self.geo, tokens, slots, positions, sampling, any(r.want_top for r in rows),
+            self.carry, self.history, chained)
         return DecodeInFlight(tuple(rows), packed)
 
     def collect(self, step: DecodeInFlight) -> list[Sampled]:
@@ -195,10 +212,21 @@ class ModelRunner:
         drawn, experts = read_decode(self.model, step.packed, len(step.rows))
         return sampled_rows(list(step.rows), drawn, experts)
 
-    def _sample(self, logits, rows: list[SamplingRow], experts: np.ndarray) -> list[Sampled]:
-        """logits [bucket, vocab]: the rows, then padding rows. experts: as sampled_rows."""
+    def _sample(self, logits, rows: list[SamplingRow], experts: np.ndarray, slots: Sequence[int],
+                fed: Sequence[int] = ()) -> list[Sampled]:
+        """logits [bucket, vocab]: the rows, then padding rows. experts: as sampled_rows.
+        slots: the rows' own; fed: the tokens a decode step fed them (none after a prefill),
+        counted in their history before the rows that read it are penalized."""
         t = time.perf_counter()
-        drawn = sample(logits, *sampling_arrays(rows, logits.shape[0]), any(r.want_top for r in rows))
+        bucket = logits.shape[0]
+        *cuts, penalties = sampling_arrays(rows, bucket)
+        want_top = any(r.want_top for r in rows)
+        if any(r.uses_history for r in rows):
+            padded = np.full((2, bucket), [[self.geo.scratch_slot], [-1]], np.int32)
+            padded[0, : len(slots)], padded[1, : len(fed)] = slots, fed
+            self.history, drawn = sample_with_history(logits, cuts, want_top, self.history, *padded, penalties)
+        else:
+            drawn = sample(logits, *cuts, want_top)
         drawn = jax.device_get(drawn)
         self.sample_seconds += time.perf_counter() - t
         return sampled_rows(rows, drawn, experts)
@@ -225,6 +253,10 @@ class ModelRunner:
                 wait(shape)
                 self._warm_shape(shape)
                 step(f"ran {shape}")
+        if any(shape.kind == PREFILL for shape in plan.shapes):
+            # what a request with a penalty or a bias adds: its slot's history started, its
+            # first token sampled with it
+            self.prefill(self.geo.scratch_slot, [0], 0, WARM_PENALIZED_ROW, ((0,), ((0, 1.0),)))
         self.new_key(0)
         self.wait_ready()
         self.sample_seconds = 0.0
@@ -252,15 +284,16 @@ class ModelRunner:
                 self.prefill(scratch, [0] * tokens, offset, FILLER_ROW)
             else:
                 logits, self.kv = self.tiered.warm_prefill(self.kv, geo, n, offset)
-                self._sample(logits[None], [FILLER_ROW], np.zeros((1, 0, 0), np.int32))
+                self._sample(logits[None], [FILLER_ROW], np.zeros((1, 0, 0), np.int32), [scratch])
         elif shape.kind == DECODE:
-            # sampled, with top-p and top candidates: every branch of the sampler runs
-            position, row = min(ATTN_BLOCK, geo.max_context - 1), WARM_ROW
+            # sampled, with top-p, top candidates and penalties: every branch of the sampler runs
+            position = min(ATTN_BLOCK, geo.max_context - 1)
             if self.tiered is None:
-                self.decode([0] * n, [scratch] * n, [position] * n, [row] * n)
+                self.decode([0] * n, [scratch] * n, [position] * n, [WARM_PENALIZED_ROW] * n)
             else:
                 logits, self.kv = self.tiered.warm_decode(self.kv, geo, n, position)
-                self._sample(logits, [row] * n, np.zeros((n, 0, 0), np.int32))
+                for row in (WARM_ROW, WARM_PENALIZED_ROW):  # tiered rows sample in calls of their own
+                    self._sample(logits, [row] * n, np.zeros((n, 0, 0), np.int32), [scratch] * n, [0] * n)
         elif shape.kind == SLOT_WIDTH:
             pairs = self.read_layers(scratch, 0, 1, n)
             self.write_layers(scratch, 0, pairs)

@@ -206,7 +206,7 @@ class Scheduler:
         started, sampling = time.perf_counter(), self.runner.sample_seconds
         if last and not act.request.prefill_only:
             sampled, step = await self._on_device(
-                self.runner.prefill, act.slot, chunk, act.cursor, act.sampling_row()
+                self.runner.prefill, act.slot, chunk, act.cursor, act.sampling_row(), act.history_start()
             )
         else:
             (_, experts), step = await self._on_device(self.runner.extend, act.slot, chunk, act.cursor)
@@ -292,7 +292,7 @@ class Scheduler:
         act.key = sampled.next_key
         act.count_experts(sampled.experts)
         token = sampled.token
-        if token in self.eos:
+        if token in self.eos or token in act.request.stop_token_ids:
             await self._finish(act, "stop")
             return
         act.emitted += 1

@@ -5,7 +5,7 @@ conversions between them and the device's arrays."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
 
 import numpy as np
@@ -23,12 +23,18 @@ class SamplingRow:
     min_p: float
     key: np.ndarray  # uint32[2]
     want_top: bool
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    uses_history: bool = False  # it reads its slot's LogitHistory (a penalty or a bias)
 
 
 # What a padding row of a batch samples (greedy; the result is dropped).
 FILLER_ROW = SamplingRow(0.0, 1.0, 0, 0.0, np.zeros(2, np.uint32), False)
-# What the warm-up's decode rows sample.
+# What the warm-up's decode rows sample: every branch of the sampler runs, and with the
+# second every branch of logit_history's too.
 WARM_ROW = SamplingRow(0.7, 0.9, 40, 0.05, np.zeros(2, np.uint32), True)
+WARM_PENALIZED_ROW = replace(WARM_ROW, presence=0.5, frequency=0.5, repetition=1.1, uses_history=True)
 
 
 @dataclass(frozen=True)
@@ -51,15 +57,19 @@ class DecodeInFlight:
 
 
 def sampling_arrays(rows: list[SamplingRow], bucket: int):
-    """sample's (temperature, top_p, top_k, min_p, keys) for `rows`, then padding rows up to `bucket`
-    (sampled greedily, dropped: one compiled sampler per batch bucket, not per number
-    of rows)."""
+    """sample's (temperature, top_p, top_k, min_p, keys) for `rows`, and their penalties
+    (logit_history.penalize's),
+    then padding rows up to `bucket` (sampled greedily, dropped: one compiled sampler per
+    batch bucket, not per number of rows)."""
     padded = rows + [FILLER_ROW] * (bucket - len(rows))
-    return (np.asarray([r.temperature for r in padded], np.float32),
-            np.asarray([r.top_p for r in padded], np.float32),
-            np.asarray([r.top_k for r in padded], np.int32),
-            np.asarray([r.min_p for r in padded], np.float32),
-            np.stack([r.key for r in padded]).astype(np.uint32))
+
+    def column(name: str, dtype) -> np.ndarray:
+        return np.asarray([getattr(r, name) for r in padded], dtype)
+
+    penalties = (column("presence", np.float32), column("frequency", np.float32),
+                 column("repetition", np.float32), column("uses_history", np.bool_))
+    return (column("temperature", np.float32), column("top_p", np.float32), column("top_k", np.int32),
+            column("min_p", np.float32), np.stack([r.key for r in padded]).astype(np.uint32), penalties)
 
 
 def sampled_rows(rows: list[SamplingRow], drawn, experts: np.ndarray) -> list[Sampled]:

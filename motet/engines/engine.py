@@ -289,18 +289,16 @@ class Engine(Service, Collected):
         return tokens.detokenize(self._loaded().tokenizer, ids)
 
     @asynccontextmanager
-    async def stream(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0,
-                     top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
-                     slot: int | None = None, stop=(), top_logprobs: int = 0, request_id: int | None = None,
-                     prefill_only: bool = False):
-        """Submit a request; yields its EventStream. Leaving the block early, or a cancel
-        of the surrounding scope, cancels the request."""
-        request = GenerationRequest.of(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                       top_k=top_k, min_p=min_p, seed=seed, slot=slot, stop=stop,
-                                       top_logprobs=top_logprobs, request_id=request_id, prefill_only=prefill_only)
-        rid = request_id if request_id is not None else next(self._ids)
+    async def stream(self, prompt, **fields):
+        """Submit a request (`fields`: GenerationRequest's, as EngineAPI.stream lists them);
+        yields its EventStream. Leaving the block early, or a cancel of the surrounding
+        scope, cancels the request."""
+        request = GenerationRequest.of(prompt, **fields)
+        ids = self.encode(prompt)
+        tokens.check_ids(self._loaded().tokenizer, request, ids)
+        rid = request.request_id if request.request_id is not None else next(self._ids)
         send, receive = open_stream()
-        await self._send(Submit(rid, request, self.encode(prompt), send))
+        await self._send(Submit(rid, request, ids, send))
         events = EventStream(rid, receive)
         refused = False
         with receive:

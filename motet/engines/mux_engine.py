@@ -9,10 +9,10 @@ One reader task demultiplexes the child's stdout into per-request channels; one 
 owns its stdin. The wire has no "any slot": slots are chosen here (runtime/slot_table.py).
 
 What the wire imposes: prompts are text (token ids are a BadRequest); `seed` is ignored
-(SUBMIT has none); top_k and min_p are refused; token ids are None, logprobs come only with
-`top_logprobs` (from TOPK lines); stop strings are matched here, then STOP ends the
-request; a request that waited for a slot meets a refusal (ContextExceeded, ...) at its
-first event, not at entry.
+(SUBMIT has none); the cuts, penalties, biases and stop ids it has no field for are
+refused; token ids are None, logprobs come only with `top_logprobs` (from TOPK lines);
+stop strings are matched here, then STOP ends the request; a request that waited for a
+slot meets a refusal (ContextExceeded, ...) at its first event, not at entry.
 
 A slot's KV goes through motet's [extension] commands: save_slot / restore_slot /
 erase_slot (SAVE, RESTORE, ERASE) and prefill (PREFILL); a slot they use is not chosen for
@@ -47,6 +47,9 @@ from .mux_stream import EngineExited, EngineStartError, MuxStream, SlotCommand, 
 log = logging.getLogger(__name__)
 READ_SIZE = 65536
 CHILD_ENV = {"SERVE": "1", "SERVE_BATCH": "1", "SERVE_TOPK": "1"}
+# GenerationRequest's fields a SUBMIT has no room for
+NOT_ON_THE_WIRE = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                   "logit_bias", "stop_token_ids")
 EXIT_GRACE_S = 10.0  # once its stdin is closed, how long the child has to exit
 
 
@@ -272,19 +275,15 @@ class MuxEngine(ChatFiles, Service, Collected):
             self._end(stream, mux.Error(stream.request_id, "CANCELLED"))
 
     @asynccontextmanager
-    async def stream(self, prompt, *, max_tokens: int = 256, temperature: float = 0.0,
-                     top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
-                     slot: int | None = None, stop=(), top_logprobs: int = 0, request_id: int | None = None,
-                     prefill_only: bool = False):
-        """As Engine.stream; `seed` is ignored (the mux protocol carries none), and a
-        top_k or min_p cut is refused: the wire has no field for it, and the child would
-        sample without it."""
-        request = GenerationRequest.of(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                       top_k=top_k, min_p=min_p, seed=seed, slot=slot, stop=stop,
-                                       top_logprobs=top_logprobs, request_id=request_id, prefill_only=prefill_only)
-        if top_k or min_p:
-            raise BadRequest("top_k and min_p are not carried by the mux protocol: a mux engine samples "
-                             "with temperature and top_p only")
+    async def stream(self, prompt, **fields):
+        """As Engine.stream; `seed` is ignored (the mux protocol carries none), and the
+        fields the wire has no room for (top_k, min_p, the penalties, logit_bias,
+        stop_token_ids) are refused when set: the child would sample without them."""
+        request = GenerationRequest.of(prompt, **fields)
+        if uncarried := request.set_fields(NOT_ON_THE_WIRE):
+            raise BadRequest(f"{', '.join(uncarried)}: not carried by the mux protocol (a mux engine "
+                             "samples with temperature and top_p only)")
+        slot, request_id = request.slot, request.request_id
         # What the wire cannot carry is refused here, at entry, not by the child at the first
         # event (in-band, for a request that waited for a slot), nor in _submit (the reader's)
         check_wire_prompt(prompt)

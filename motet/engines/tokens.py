@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from ..model.detokenizer import IncrementalDetokenizer
 from ..model.tokenizer import Tokenizer
+from ..runtime.api import GenerationRequest
 from ..runtime.errors import BadRequest
 
 
@@ -23,8 +24,20 @@ def tokenize(tokenizer: Tokenizer, text: str, add_special: bool = True) -> list[
 def detokenize(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
     """The text a stream gives for `ids` (the same detokenizer, token by token: special
     tokens write nothing)."""
-    vocab = tokenizer.vocab_size
-    if bad := [t for t in ids if not 0 <= t < vocab]:
-        raise BadRequest(f"token id {bad[0]} is outside the vocabulary of {vocab}")
+    _in_vocabulary(tokenizer, ids, "token id")
     detok = IncrementalDetokenizer(tokenizer)
     return "".join(detok.push(t) for t in ids) + detok.flush()
+
+
+def check_ids(tokenizer: Tokenizer, request: GenerationRequest, prompt: Sequence[int]) -> None:
+    """BadRequest for a token id of the request (its prompt, logit_bias, stop_token_ids)
+    outside the vocabulary: the device would clamp it to another token, not refuse it."""
+    _in_vocabulary(tokenizer, prompt, "the prompt's token id")
+    _in_vocabulary(tokenizer, [t for t, _ in request.logit_bias], "logit_bias's token id")
+    _in_vocabulary(tokenizer, request.stop_token_ids, "stop_token_ids' token id")
+
+
+def _in_vocabulary(tokenizer: Tokenizer, ids: Sequence[int], what: str) -> None:
+    vocab = tokenizer.vocab_size
+    if bad := [t for t in ids if not 0 <= t < vocab]:
+        raise BadRequest(f"{what} {bad[0]} is outside the vocabulary of {vocab}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeGuard
 
-from ..runtime.api import MAX_TOP_K
+from ..runtime.api import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_K
 from ..runtime.serve_settings import MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOPS
 
 MAX_TOP_LOGPROBS = 5
@@ -48,6 +48,11 @@ class Options:
     top_p: float = 1.0
     top_k: int = 0  # vLLM's and llama.cpp's extension: 0 (or -1) no cut
     min_p: float = 0.0  # likewise: 0 no cut
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension: 1 none
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's extension
     stop: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: bool = False  # report each token's logprob
@@ -228,10 +233,10 @@ def _options(body: dict, limits: Limits, max_tokens: int | None, logprobs: bool,
     n = _integral(body.get("n"))
     if n is not None and (not _is_int(n) or n != 1):
         raise InvalidRequest(f"only 'n': 1 is supported; got {n!r}", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = _number(body, name, -2.0, 2.0)
-        if value:
-            raise InvalidRequest(f"'{name}' is not supported (only 0)", name)
+    repetition = _number(body, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY)
+    if repetition == 0.0:
+        raise InvalidRequest(f"'repetition_penalty' must be in (0, {MAX_REPETITION_PENALTY:g}]",
+                             "repetition_penalty")
     stream = _bool(body, "stream")
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
@@ -249,6 +254,11 @@ def _options(body: dict, limits: Limits, max_tokens: int | None, logprobs: bool,
         top_p=1.0 if top_p is None else top_p,
         top_k=max(top_k or 0, 0),
         min_p=min_p or 0.0,
+        presence_penalty=_number(body, "presence_penalty", -2.0, 2.0) or 0.0,
+        frequency_penalty=_number(body, "frequency_penalty", -2.0, 2.0) or 0.0,
+        repetition_penalty=1.0 if repetition is None else repetition,
+        logit_bias=_logit_bias(body.get("logit_bias")),
+        stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids"),
         stop=_stop(body.get("stop"), limits),
         seed=_int(body, "seed", 0, (1 << 63) - 1),
         logprobs=logprobs,
@@ -257,6 +267,33 @@ def _options(body: dict, limits: Limits, max_tokens: int | None, logprobs: bool,
         include_usage=stream and include_usage,
         cache_slot=_int(body, "cache_slot", 0, None),
     )
+
+
+def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token ids (as strings) to a value added to their logits."""
+    if bias is None:
+        return ()
+    what = (f"'logit_bias' must map token ids (strings of digits) to numbers in "
+            f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+    if not isinstance(bias, dict):
+        raise InvalidRequest(what, "logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not (key.isascii() and key.isdigit() and len(key) <= 10 and number
+                and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise InvalidRequest(f"{what}; got {key!r}: {value!r}", "logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
+
+
+def _token_ids(value: object, name: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    ids = [_integral(t) for t in value] if isinstance(value, list) else None
+    if ids is None or not all(_is_int(t) and t >= 0 for t in ids):
+        raise InvalidRequest(f"'{name}' must be an array of token ids (integers from 0); got {value!r}", name)
+    return tuple(ids)  # type: ignore[arg-type]  # every one an int, checked above
 
 
 def _stop(stop: object, limits: Limits) -> tuple[str, ...]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from functools import partial
 
 from .. import __version__
-from ..runtime.api import MAX_TOP_K
+from ..runtime.api import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_K
 from ..runtime.serve_settings import ServeSettings
 from .openai_schema import MAX_TOP_LOGPROBS, ROLES
 from .slots import FILENAME_PATTERN, MAX_FILENAME_BYTES
@@ -73,8 +73,20 @@ def _schemas(settings: ServeSettings, slots: int) -> dict:
             "include_usage": _nullable({"type": "boolean"})}}),
         "seed": _nullable({"type": "integer", "minimum": 0, "maximum": (1 << 63) - 1}),
         "n": _nullable({"const": 1}),
-        "presence_penalty": _nullable({"const": 0}),
-        "frequency_penalty": _nullable({"const": 0}),
+        "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2,
+                                       "description": "minus this for each token the answer holds"}),
+        "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2,
+                                        "description": "minus this times how often the answer holds a token"}),
+        "repetition_penalty": _nullable({
+            "type": "number", "exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY,
+            "description": "a token of the prompt or the answer: a positive logit divided by it, a negative "
+                           "one multiplied; 1: none (vLLM)"}),
+        "logit_bias": _nullable({
+            "type": "object", "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+            "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS},
+            "description": "token id → a value added to its logit before sampling"}),
+        "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0},
+                                     "description": "sampling one of these ends the answer (vLLM)"}),
         "user": {"type": "string"},
         "cache_slot": _nullable({"type": "integer", "minimum": 0, "maximum": slots - 1,
                                  "description": "pin the request to this KV slot (motet)"}),

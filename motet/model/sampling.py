@@ -45,25 +45,27 @@ TOP_CANDIDATES = 5  # the most top logprobs a request may ask for
 
 
 @jax.jit
-def sample(logits, temperature, top_p, top_k, min_p, keys, want_top=False):
+def sample(logits, temperature, top_p, top_k, min_p, keys, want_top=False, scores=None):
     """Pick one token per row.
 
-    logits [b, v] float32; temperature, top_p, min_p [b] float32; top_k [b] int32 (0:
+    logits [b, v] float32; scores: what to pick from where not the logits themselves (a
+    penalized batch's, logit_history.penalize); temperature, top_p, min_p [b] float32; top_k [b] int32 (0:
     none); keys [b, 2] uint32; want_top: a bool, traced (the top candidates cost time
     only when asked for). A sampled row draws from its logits over temperature, cut to
     its top k, then to its nucleus (top_p), then to the tokens at least min_p times as
     likely as its likeliest (each cut, and its sort, runs only when some row asks for it).
     Returns (tokens [b], logprob of each token [b], next keys [b, 2], the top
     candidates' ids [b, TOP_CANDIDATES] and logprobs, zeros unless want_top). Logprobs
-    are of the model's distribution before temperature and the cuts, as OpenAI reports
-    them.
+    are of the model's distribution before penalties, temperature and the cuts, as
+    OpenAI reports them (vLLM's default too).
     """
-    greedy = jnp.argmax(logits, axis=-1)
+    scores = logits if scores is None else scores
+    greedy = jnp.argmax(scores, axis=-1)
     split = jax.vmap(lambda k: jax.random.split(jax.random.wrap_key_data(k)))(keys)
     use, nxt = split[:, 0], split[:, 1]
 
     def draw(_):
-        scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+        scaled = scores / jnp.maximum(temperature, 1e-6)[:, None]
         scaled = jax.lax.cond(jnp.any(top_k > 0), lambda s: _top_k_mask(s, top_k), lambda s: s, scaled)
         scaled = jax.lax.cond(jnp.any(top_p < 1.0), lambda s: _top_p_mask(s, top_p), lambda s: s, scaled)
         scaled = jax.lax.cond(jnp.any(min_p > 0.0), lambda s: _min_p_mask(s, min_p), lambda s: s, scaled)

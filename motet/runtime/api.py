@@ -3,11 +3,13 @@ and embedding programs see. Both the in-process Engine and a mux client speak th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "cancelled", "prefilled"]
 MAX_TOP_K = (1 << 31) - 1  # the sampler keeps top_k in int32
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+MAX_REPETITION_PENALTY = 100.0  # far past any useful value; bounds what a request may send
 
 
 def sampling_problem(max_tokens: int, temperature: float, top_p: float) -> str | None:
@@ -30,6 +32,12 @@ class GenerationRequest:
     top_p: float = 1.0
     top_k: int = 0  # 0: no cut
     min_p: float = 0.0  # 0: no cut
+    # On the model's logits before sampling, greedy included (vLLM's meanings):
+    presence_penalty: float = 0.0  # minus this for a token the answer holds
+    frequency_penalty: float = 0.0  # minus this times how often the answer holds it
+    repetition_penalty: float = 1.0  # a token in the prompt or the answer: divided (positive) or multiplied
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    stop_token_ids: tuple[int, ...] = ()  # sampling one ends the request ("stop"; not emitted)
     seed: int | None = None
     slot: int | None = None
     stop: tuple[str, ...] = ()
@@ -43,8 +51,23 @@ class GenerationRequest:
     def of(cls, prompt, *, stop=(), **fields) -> GenerationRequest:
         """From an engine's stream() arguments: a prompt of text or token ids, and one stop
         string or several."""
+        if isinstance(bias := fields.get("logit_bias"), dict):
+            fields["logit_bias"] = tuple((int(t), float(b)) for t, b in bias.items())
+        if "stop_token_ids" in fields:
+            fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
         return cls(prompt=prompt if isinstance(prompt, str) else tuple(prompt),
                    stop=(stop,) if isinstance(stop, str) else tuple(stop), **fields)
+
+    def set_fields(self, names: tuple[str, ...]) -> list[str]:
+        """Those of `names` whose value is not the default (what an engine that lacks them
+        refuses)."""
+        return [f.name for f in fields(self) if f.name in names and getattr(self, f.name) != f.default]
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether sampling reads what the slot's request has seen: a penalty or a bias."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)
 
     def __post_init__(self):
         from .errors import BadRequest
@@ -55,6 +78,18 @@ class GenerationRequest:
             raise BadRequest(f"top_k must be in [0, {MAX_TOP_K}] (0: no cut), got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise BadRequest(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise BadRequest(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise BadRequest(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1: none), "
+                             f"got {self.repetition_penalty}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise BadRequest(f"logit_bias maps token ids (>= 0) to values in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}], got {token}: {bias}")
+        if any(token < 0 for token in self.stop_token_ids):
+            raise BadRequest(f"stop_token_ids are token ids (>= 0), got {list(self.stop_token_ids)}")
         if not 0 <= self.top_logprobs <= 5:
             raise BadRequest(f"top_logprobs must be in [0, 5], got {self.top_logprobs}")
         if self.request_id is not None and self.request_id <= 0:

@@ -10,7 +10,7 @@ it. A refused request raises an EngineError from the `async with` itself.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -45,10 +45,15 @@ class EngineAPI(Protocol):
         ...
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 256, temperature: float = 0.0,
-               top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
-               slot: int | None = None,
+               top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, presence_penalty: float = 0.0,
+               frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+               logit_bias: Mapping[int, float] = {}, stop_token_ids: Sequence[int] = (),
+               seed: int | None = None, slot: int | None = None,
                stop: str | Sequence[str] = (), top_logprobs: int = 0, request_id: int | None = None,
-               prefill_only: bool = False) -> AbstractAsyncContextManager[Events]: ...
+               prefill_only: bool = False) -> AbstractAsyncContextManager[Events]:
+        """A request's events (runtime/api.py's GenerationRequest says what each field
+        does); leaving the block early cancels it."""
+        ...
 
     def stream_chat(self, messages: list[dict], **kwargs) -> AbstractAsyncContextManager[Events]: ...
 

@@ -1,0 +1,95 @@
+"""What a slot's request has seen, on the device, for the samplers that read it: the
+presence, frequency and repetition penalties and logit_bias (vLLM's meanings).
+
+Per KV slot (the scratch one included), three rows over the vocabulary: how often each
+token was fed back as the answer (`counts`), which the prompt holds (`seen`), and the
+request's logit_bias (`bias`). A request that uses them resets its slot's rows when its
+prompt is read (`begin`); every decode step counts the tokens it feeds (`count_fed`, a
+scatter of one value a row), so a step chained on the device counts a token the host
+has not read yet. `penalize` runs only when some row of a batch asks for it.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .sampling import sample
+
+
+class LogitHistory(NamedTuple):
+    counts: jax.Array  # [slots, vocab] int32: the answer's tokens, fed back so far
+    seen: jax.Array  # [slots, vocab] bool: the prompt's tokens
+    bias: jax.Array  # [slots, vocab] float32: added to the logits
+
+
+def empty_history(slots: int, vocab: int, mesh: Mesh | None = None) -> LogitHistory:
+    """Zeroed rows for `slots` slots; on a mesh, whole on every device (as the carry)."""
+    history = LogitHistory(jnp.zeros((slots, vocab), jnp.int32), jnp.zeros((slots, vocab), jnp.bool_),
+                           jnp.zeros((slots, vocab), jnp.float32))
+    if mesh is None:
+        return history
+    return jax.device_put(history, NamedSharding(mesh, PartitionSpec()))
+
+
+def start_rows(vocab: int, prompt, bias: tuple[tuple[int, float], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """A request's `seen` and `bias` rows, on the host (ids past `vocab` are dropped)."""
+    seen = np.zeros(vocab, np.bool_)
+    ids = np.asarray(prompt, np.int64)
+    seen[ids[(ids >= 0) & (ids < vocab)]] = True
+    row = np.zeros(vocab, np.float32)
+    for token, value in bias:
+        if 0 <= token < vocab:
+            row[token] = value
+    return seen, row
+
+
+@partial(jax.jit, donate_argnums=0)
+def begin(history: LogitHistory, slot, seen_row, bias_row) -> LogitHistory:
+    """A new request in `slot` (traced: one compile for every slot): no answer yet, its
+    prompt and bias."""
+    return LogitHistory(history.counts.at[slot].set(0), history.seen.at[slot].set(seen_row),
+                        history.bias.at[slot].set(bias_row))
+
+
+def count_fed(history: LogitHistory, slots, tokens) -> LogitHistory:
+    """Each row's fed token counted in its slot (a token < 0 counts nothing)."""
+    tokens = jnp.where(tokens < 0, history.counts.shape[1], tokens)  # out of range: dropped
+    return history._replace(counts=history.counts.at[slots, tokens].add(1, mode="drop"))
+
+
+def penalize(logits, history: LogitHistory, slots, penalties):
+    """The scores a batch samples from. penalties: per row [b], (presence, frequency,
+    repetition (1: none), uses: whether the row reads its slot's history). Each row that
+    uses its history gets, in order, the repetition penalty on every token of its
+    prompt or answer (a positive logit divided by it, a negative one multiplied), the
+    frequency penalty times the answer's count of each token, the presence penalty on
+    each token the answer holds, then its logit_bias. Other rows keep their logits."""
+    presence, frequency, repetition, uses = penalties
+
+    def apply(logits):
+        counts = history.counts[slots]
+        answered = counts > 0
+        repeated = history.seen[slots] | answered
+        rep = repetition[:, None]
+        scores = jnp.where(repeated, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+        scores = scores - frequency[:, None] * counts - presence[:, None] * answered
+        scores = scores + history.bias[slots]
+        return jnp.where(uses[:, None], scores, logits)
+
+    return jax.lax.cond(jnp.any(uses), apply, lambda x: x, logits)
+
+
+@partial(jax.jit, donate_argnums=3)
+def sample_with_history(logits, cuts, want_top, history: LogitHistory, slots, fed, penalties):
+    """sampling.sample of `logits` with cuts (temperature, top_p, top_k, min_p, keys), each
+    row's fed token (< 0: none) counted first and the rows penalized: for the samples
+    taken outside a decode step (after a prefill; tiered decode). Returns (the history,
+    sample's outputs)."""
+    history = count_fed(history, slots, fed)
+    return history, sample(logits, *cuts, want_top, penalize(logits, history, slots, penalties))
