@@ -207,7 +207,7 @@ def bare_step_ms(model, context: int, repeats: int = 30) -> float:
 
     geo = KVGeometry(n_slots=STREAMS, max_context=context, chunk=256)
     kv = init_kv(model.config, geo, model.kv_dtype)
-    greedy = greedy_sampling(1)
+    greedy = greedy_sampling(1, model.config.vocab_size)
     carry, history = empty_carry(geo.scratch_slot + 1), empty_history(geo.scratch_slot + 1, model.config.vocab_size)
     token, best = 1, float("inf")
     for attempt in range(4):  # the first compiles

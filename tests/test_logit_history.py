@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from motet.model.logit_history import begin, count_fed, empty_history, penalize, sample_with_history, start_rows
-from motet.model.sampling import request_key
+from motet.model.sampling import open_mask, request_key
 
 VOCAB = 6
 SLOTS = 3
@@ -101,7 +101,8 @@ def test_sampling_with_history_picks_by_the_scores_and_reports_the_models_logpro
     cuts = (np.zeros(1, np.float32), np.ones(1, np.float32), np.zeros(1, np.int32), np.zeros(1, np.float32),
             np.asarray(request_key(0))[None])
     history, (token, logprob, *_) = sample_with_history(logits, cuts, False, history, np.asarray([0]),
-                                                        np.asarray([-1]), penalties((0.0, 0.0, 1.0)))
+                                                        np.asarray([-1]), penalties((0.0, 0.0, 1.0)),
+                                                        open_mask(1, VOCAB))
     assert int(token[0]) == 4
     log_total = np.log(np.exp(LOGITS).sum())
     assert float(logprob[0]) == pytest.approx(LOGITS[4] - log_total, abs=1e-5)
@@ -116,7 +117,8 @@ def test_a_frequency_penalty_ends_a_greedy_loop():
     fed, picked = -1, []
     for _ in range(4):
         history, (token, *_) = sample_with_history(np.stack([LOGITS]), cuts, False, history, np.asarray([0]),
-                                                   np.asarray([fed]), penalties((0.0, 0.8, 1.0)))
+                                                   np.asarray([fed]), penalties((0.0, 0.8, 1.0)),
+                                                   open_mask(1, VOCAB))
         fed = int(token[0])
         picked.append(fed)
     assert picked[0] == 0 and len(set(picked)) > 1

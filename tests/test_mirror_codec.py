@@ -43,7 +43,7 @@ def test_exact_bytes():
 
 def test_a_decode_call_round_trips():
     key = np.array([12, 34], np.uint32)
-    rows = [SamplingRow(0.7, 0.9, 40, 0.05, key, True, 0.5, -1.0, 1.2, True),
+    rows = [SamplingRow(0.7, 0.9, 40, 0.05, key, True, 0.5, -1.0, 1.2, True, np.arange(4, dtype=np.int32)),
             SamplingRow(0.0, 1.0, 0, 0.0, key, False)]
     op, args = decode(encode(Op.DECODE, ([5, 6], [0, 1], [10, 11], rows), MIRROR_RECORDS), MIRROR_RECORDS)
     assert op is Op.DECODE and same(args, [[5, 6], [0, 1], [10, 11], rows])
@@ -103,7 +103,7 @@ def test_frames_it_refuses(frame, words):
 
 def test_a_record_with_the_wrong_fields_is_refused():
     frame = b"\x01\x00L\x01\x00\x00\x00R\x00L\x01\x00\x00\x00N"
-    with pytest.raises(MirrorError, match="a SamplingRow has 10 fields"):
+    with pytest.raises(MirrorError, match="a SamplingRow has 11 fields"):
         decode(frame, MIRROR_RECORDS)
 
 
@@ -114,7 +114,7 @@ arrays = st.sampled_from(sorted(DTYPES)).flatmap(
                             elements=None if name != "bfloat16" else st.floats(-1e3, 1e3, width=32)))
 rows = st.builds(SamplingRow, st.floats(0, 2), st.floats(0, 1), st.integers(0, 1 << 20), st.floats(0, 1),
                  hnp.arrays(np.uint32, 2), st.booleans(), st.floats(-2, 2), st.floats(-2, 2), st.floats(0.01, 2),
-                 st.booleans())
+                 st.booleans(), st.one_of(st.none(), hnp.arrays(np.int32, st.integers(0, 8))))
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 63) - 1),
                     st.floats(allow_nan=True), st.text(max_size=20), arrays, rows)
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4), max_leaves=12)

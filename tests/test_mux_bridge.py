@@ -3,6 +3,7 @@ every stdout byte parsed as protocol (first part of issue 4's conformance suite)
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -146,6 +147,27 @@ def test_bad_requests_keep_the_stream():
     codes = {(e.request_id, e.code) for e in frames(events, mux.Error)}
     assert codes == {(0, "BAD_REQUEST"), (7, "BAD_REQUEST"), (8, "BAD_REQUEST"), (9, "BAD_REQUEST")}
     assert frames(events, mux.Done, 10)
+
+
+def with_grammar(rid: int, slot: int, grammar: bytes, max_tokens: int = 200) -> bytes:
+    """A SUBMIT whose seventh field carries `grammar`, after the payload."""
+    head = f"SUBMIT {rid} {slot} {len(PROMPT)} {max_tokens} 0 1 {len(grammar)}\n".encode()
+    return head + PROMPT + grammar + b"\n"
+
+
+def test_a_grammar_in_the_seventh_field_constrains_the_answer():
+    """As colibri's gateway sends response_format: GBNF, or a JSON schema as its text.
+    One that cannot compile (a GBNF rule never defined) is BAD_REQUEST, as before."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["size"],
+              "properties": {"size": {"enum": ["small", "large"]}}}
+    wire = (with_grammar(1, 0, b'root ::= "sea" | "ocean"') + with_grammar(2, 1, json.dumps(schema).encode())
+            + with_grammar(3, 2, b"root ::= nowhere"))
+    code, events, _ = run_mux(wire, env={"KV_SLOTS": "3"})
+    assert code == 0
+    assert text_of(events, 1) in (b"sea", b"ocean")
+    assert json.loads(text_of(events, 2)) in ({"size": "small"}, {"size": "large"})
+    assert not frames(events, mux.Done, 1)[0].length_limited
+    assert [e.code for e in frames(events, mux.Error, 3)] == ["BAD_REQUEST"]
 
 
 def test_bad_frame_is_answered_then_the_engine_exits_0():

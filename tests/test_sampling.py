@@ -5,8 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from motet.model.sampling import request_key, sample
+from motet.model.sampling import open_mask, request_key, sample
 
 VOCAB = 1000
 
@@ -160,3 +161,42 @@ def test_cuts_leave_logprobs_and_greedy_rows_alone():
     cut = run(logits, 0.0, 1.0, keys(0, 1), top_k=3, min_p=0.2)
     np.testing.assert_array_equal(np.asarray(cut[0]), logits.argmax(-1))
     np.testing.assert_allclose(np.asarray(cut[1]), np.asarray(plain[1]), rtol=1e-6)
+
+
+def mask_of(*allowed_ids: int) -> np.ndarray:
+    """constraint.py's bitmask for one row: only these tokens."""
+    mask = np.zeros((VOCAB + 31) // 32, np.uint32)
+    for t in allowed_ids:
+        mask[t // 32] |= np.uint32(1 << (t % 32))
+    return mask.view(np.int32)
+
+
+def test_a_bitmask_limits_greedy_and_sampled_rows_and_leaves_others_and_logprobs_alone():
+    logits = np.stack([flat_five()] * 3)
+    allowed = np.stack([mask_of(13), mask_of(12, 14, 999), open_mask(1, VOCAB)[0]])
+    ones = jnp.ones(3, jnp.float32)
+    seen: list[set] = [set(), set(), set()]
+    for seed in range(100):
+        tokens, logprob, *_ = sample(jnp.asarray(logits), jnp.asarray([0.0, 1.0, 1.0], jnp.float32), ones,
+                                     jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.float32),
+                                     keys(seed, seed + 1000, seed + 2000), False, None, allowed)
+        for r, t in enumerate(np.asarray(tokens)):
+            seen[r].add(int(t))
+        log_total = np.log(np.exp(logits[0].astype(np.float64)).sum())
+        assert float(logprob[0]) == pytest.approx(logits[0, 13] - log_total, abs=1e-4)  # the model's own
+    assert seen[0] == {13}  # greedy: the best allowed token, not the argmax
+    assert seen[1] == {12, 14}  # 999 is allowed but 1e-13 as likely
+    assert seen[2] == {10, 11, 12, 13, 14}
+
+
+def test_bits_past_the_vocabulary_and_the_last_word_are_read_right():
+    vocab = 70  # three words, the last one partly used
+    logits = np.zeros((1, vocab), np.float32)
+    for token in (0, 31, 32, 63, 64, 69):
+        allowed = np.zeros((1, 3), np.uint32)
+        allowed[0, token // 32] = np.uint32(1 << (token % 32))
+        allowed[0, 2] |= np.uint32(0xFFFFFFC0)  # bits of ids 70..95, past the vocabulary
+        picked = sample(jnp.asarray(logits), jnp.zeros(1, jnp.float32), jnp.ones(1, jnp.float32),
+                        jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.float32), keys(0), False, None,
+                        allowed.view(np.int32))[0]
+        assert int(picked[0]) == token

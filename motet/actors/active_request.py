@@ -3,6 +3,7 @@ what it has emitted, its sampling key and its turn's figures."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,6 +16,8 @@ from .policy import StopMatcher
 from .runner import ExpertStep
 from .scheduler_messages import Submit
 from .step_rows import SamplingRow
+
+log = logging.getLogger("motet.actors.scheduler")
 
 
 @dataclass
@@ -82,8 +85,19 @@ class Active:
 
     def sampling_row(self) -> SamplingRow:
         r = self.request
+        constraint = self.submit.constraint
         return SamplingRow(r.temperature, r.top_p, r.top_k, r.min_p, self.key, r.top_logprobs > 0,
-                           r.presence_penalty, r.frequency_penalty, r.repetition_penalty, r.uses_history)
+                           r.presence_penalty, r.frequency_penalty, r.repetition_penalty, r.uses_history,
+                           None if constraint is None else constraint.allowed())
+
+    def grammar_refuses(self, token: int) -> bool:
+        """Whether the request's grammar, if it has one, ends it at this token: it had left
+        no token to sample, or refuses this one (logged, with its reason)."""
+        constraint = self.submit.constraint
+        if constraint is None or constraint.accept(token):
+            return False
+        log.warning("request %d: its grammar ends it: %s", self.rid, constraint.failure)
+        return True
 
     def history_start(self) -> tuple[tuple[int, ...], tuple[tuple[int, float], ...]] | None:
         """What the runner resets the slot's LogitHistory with as the answer begins (the

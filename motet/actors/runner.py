@@ -22,23 +22,15 @@ from ..model.generate import dispatch_decode, model_kv_sharding, prefill_slot, r
 from ..model.kv import KVGeometry, batch_bucket, init_kv, read_slot_layer, write_slot_layer
 from ..model.logit_history import begin, empty_history, sample_with_history, start_rows
 from ..model.model import Model
-from ..model.sampling import request_key, sample
+from ..model.sampling import open_mask, request_key, sample
 from ..model.sharding import TP, MeshSpec, mesh_axis, mesh_of, model_mesh, place_weights
 from ..model.tiered import EXPERT_KEYS, shared_weight_bytes, shared_weights
 from ..model.tiered_model import TieredModel
 from ..protocol.mirror import Op, encode
 from ..runtime.api import ExpertTiers
+from . import step_rows
 from .expert_policy import ExpertPlan
-from .step_rows import (
-    FILLER_ROW,
-    WARM_PENALIZED_ROW,
-    WARM_ROW,
-    DecodeInFlight,
-    Sampled,
-    SamplingRow,
-    sampled_rows,
-    sampling_arrays,
-)
+from .step_rows import FILLER_ROW, WARM_ROW, DecodeInFlight, Sampled, SamplingRow, sampled_rows, sampling_arrays
 from .warmup import DECODE, EXPERT_MOVE, PREFILL, SLOT_WIDTH, WarmShape, WarmupPlan
 
 # Loads one placement may start per layer between two steps: re-pinning catches up over
@@ -110,6 +102,7 @@ class ModelRunner:
         # per slot, what its last decode step sampled, and what its request has seen
         self.carry = empty_carry(geo.scratch_slot + 1, mesh_of(model.weights))
         self.history = empty_history(geo.scratch_slot + 1, cfg.vocab_size, mesh_of(model.weights))
+        self._open_masks: dict[int, jax.Array] = {}  # per batch bucket
         # Seconds spent sampling in calls of their own (after a prefill, and tiered decode
         # steps; a resident decode step samples inside its own call): the scheduler splits
         # a step's time with it.
@@ -199,7 +192,7 @@ class ModelRunner:
             logits, self.kv, experts = self.tiered.decode_padded(self.kv, self.geo, tokens, slots, positions)
             sampled = self._sample(logits, rows, experts.transpose(1, 0, 2), slots, tokens)
             return DecodeInFlight(tuple(rows), results=tuple(sampled))
-        sampling = sampling_arrays(rows, batch_bucket(len(rows)))
+        sampling = self._sampling(rows, batch_bucket(len(rows)))
         packed, self.kv, self.carry, self.history = dispatch_decode(
             self.model, self.kv, self.geo, tokens, slots, positions, sampling, any(r.want_top for r in rows),
             self.carry, self.history, chained)
@@ -219,17 +212,28 @@ class ModelRunner:
         counted in their history before the rows that read it are penalized."""
         t = time.perf_counter()
         bucket = logits.shape[0]
-        *cuts, penalties = sampling_arrays(rows, bucket)
+        *cuts, penalties, allowed = self._sampling(rows, bucket)
         want_top = any(r.want_top for r in rows)
         if any(r.uses_history for r in rows):
             padded = np.full((2, bucket), [[self.geo.scratch_slot], [-1]], np.int32)
             padded[0, : len(slots)], padded[1, : len(fed)] = slots, fed
-            self.history, drawn = sample_with_history(logits, cuts, want_top, self.history, *padded, penalties)
+            self.history, drawn = sample_with_history(logits, cuts, want_top, self.history, *padded, penalties,
+                                                      allowed)
         else:
-            drawn = sample(logits, *cuts, want_top)
+            drawn = sample(logits, *cuts, want_top, None, allowed)
         drawn = jax.device_get(drawn)
         self.sample_seconds += time.perf_counter() - t
         return sampled_rows(rows, drawn, experts)
+
+    def _sampling(self, rows: list[SamplingRow], bucket: int):
+        """sampling_arrays for a padded batch; an unconstrained one takes the bitmask that
+        allows every token from the device (no transfer a step)."""
+        *head, allowed = sampling_arrays(rows, bucket)
+        if allowed is None:
+            if bucket not in self._open_masks:
+                self._open_masks[bucket] = jax.device_put(open_mask(bucket, self.model.config.vocab_size))
+            allowed = self._open_masks[bucket]
+        return (*head, allowed)
 
     # ---- warm-up: every shape compiled before the engine is ready ------------------------
 
@@ -254,9 +258,10 @@ class ModelRunner:
                 self._warm_shape(shape)
                 step(f"ran {shape}")
         if any(shape.kind == PREFILL for shape in plan.shapes):
-            # what a request with a penalty or a bias adds: its slot's history started, its
-            # first token sampled with it
-            self.prefill(self.geo.scratch_slot, [0], 0, WARM_PENALIZED_ROW, ((0,), ((0, 1.0),)))
+            # what a request with a penalty, a bias or a grammar adds: its slot's history
+            # started, its first token sampled with it
+            row = step_rows.warm_constrained_row(self.model.config.vocab_size)
+            self.prefill(self.geo.scratch_slot, [0], 0, row, ((0,), ((0, 1.0),)))
         self.new_key(0)
         self.wait_ready()
         self.sample_seconds = 0.0
@@ -288,11 +293,12 @@ class ModelRunner:
         elif shape.kind == DECODE:
             # sampled, with top-p, top candidates and penalties: every branch of the sampler runs
             position = min(ATTN_BLOCK, geo.max_context - 1)
+            constrained = step_rows.warm_constrained_row(self.model.config.vocab_size)
             if self.tiered is None:
-                self.decode([0] * n, [scratch] * n, [position] * n, [WARM_PENALIZED_ROW] * n)
+                self.decode([0] * n, [scratch] * n, [position] * n, [constrained] * n)
             else:
                 logits, self.kv = self.tiered.warm_decode(self.kv, geo, n, position)
-                for row in (WARM_ROW, WARM_PENALIZED_ROW):  # tiered rows sample in calls of their own
+                for row in (WARM_ROW, constrained):  # tiered rows sample in calls of their own
                     self._sample(logits, [row] * n, np.zeros((n, 0, 0), np.int32), [scratch] * n, [0] * n)
         elif shape.kind == SLOT_WIDTH:
             pairs = self.read_layers(scratch, 0, 1, n)

@@ -29,9 +29,7 @@ from ..runtime.api import (
     TurnReport,
     TurnStats,
 )
-from ..runtime.errors import (
-    QueueFull,
-)
+from ..runtime.errors import QueueFull
 from ..runtime.experts import turn_entropy, turn_perf
 from ..runtime.slot_table import SlotTable
 from .active_request import Active, add_routing, tell
@@ -239,7 +237,9 @@ class Scheduler:
         current = self.ahead
         fresh = self._next_rows([]) if current is None else None
         unread = (current or fresh)[0]
-        following = self._next_rows(unread) if self.runner.chains else ([], None)
+        # a constrained row's next bitmask needs the token this step samples: no step ahead
+        ahead = self.runner.chains and all(self.active[rid].submit.constraint is None for rid in self.decoding)
+        following = self._next_rows(unread) if ahead else ([], None)
         started, sampling = time.perf_counter(), self.runner.sample_seconds
 
         def work():
@@ -292,6 +292,9 @@ class Scheduler:
         act.key = sampled.next_key
         act.count_experts(sampled.experts)
         token = sampled.token
+        if act.grammar_refuses(token):
+            await self._finish(act, "grammar")
+            return
         if token in self.eos or token in act.request.stop_token_ids:
             await self._finish(act, "stop")
             return

@@ -9,6 +9,7 @@ import trio
 
 from ..runtime.api import GenerationRequest
 from .slot_io import FreeSlot, HoldSlot, ReadLayers, WriteLayers
+from .step_rows import TokenConstraint
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,7 @@ class Submit:
     request: GenerationRequest
     prompt: tuple[int, ...]
     events: trio.MemorySendChannel  # first an Accepted or an EngineError, then the stream
+    constraint: TokenConstraint | None = None  # the request's grammar, compiled (its matcher)
 
 
 @dataclass(frozen=True)

@@ -238,9 +238,6 @@ class StdioBridge:
         self.slots.release(slot, rid, touch=False)  # the engine picks no slot here: no recency to keep
 
     async def _submit(self, sub: mux.Submit | mux.Prefill, requests: trio.Nursery):
-        if isinstance(sub, mux.Submit) and sub.grammar is not None:
-            await self._write(mux.encode_error(sub.request_id, BadRequest.code))
-            return
         if b"\x00" in sub.payload:
             await self._write(mux.encode_error(sub.request_id, BadRequest.code))
             return
@@ -253,10 +250,11 @@ class StdioBridge:
                 stream = self.engine.stream(prompt, max_tokens=1, slot=sub.slot, request_id=sub.request_id,
                                             prefill_only=True)
             else:
+                grammar = None if sub.grammar is None else mux.grammar_from_wire(sub.grammar)
                 stream = self.engine.stream(
                     prompt, max_tokens=max(1, sub.max_tokens), temperature=sub.temperature,
                     top_p=sub.top_p, slot=sub.slot, request_id=sub.request_id,
-                    top_logprobs=5 if self.settings.topk else 0,
+                    top_logprobs=5 if self.settings.topk else 0, grammar=grammar,
                 )
             events = await request.enter_async_context(stream)
         except EngineError as exc:

@@ -13,6 +13,20 @@ import numpy as np
 from ..runtime.api import GenerationRequest
 
 
+class TokenConstraint(Protocol):
+    """A request's grammar as the scheduler drives it (model/constraint.py's Constraint)."""
+
+    failure: str | None  # why the grammar left no token, once it has
+
+    def allowed(self) -> np.ndarray:
+        """The next token's bitmask, int32 [ceil(vocab / 32)]."""
+        ...
+
+    def accept(self, token: int) -> bool:
+        """Take the token sampled; False once the grammar has failed."""
+        ...
+
+
 @dataclass(frozen=True)
 class SamplingRow:
     """One row of a sampling call: the request's parameters and its current PRNG key."""
@@ -27,6 +41,7 @@ class SamplingRow:
     frequency: float = 0.0
     repetition: float = 1.0
     uses_history: bool = False  # it reads its slot's LogitHistory (a penalty or a bias)
+    allowed: np.ndarray | None = None  # a constrained row's bitmask of the tokens it may draw
 
 
 # What a padding row of a batch samples (greedy; the result is dropped).
@@ -35,6 +50,13 @@ FILLER_ROW = SamplingRow(0.0, 1.0, 0, 0.0, np.zeros(2, np.uint32), False)
 # second every branch of logit_history's too.
 WARM_ROW = SamplingRow(0.7, 0.9, 40, 0.05, np.zeros(2, np.uint32), True)
 WARM_PENALIZED_ROW = replace(WARM_ROW, presence=0.5, frequency=0.5, repetition=1.1, uses_history=True)
+
+
+def warm_constrained_row(vocab: int) -> SamplingRow:
+    """WARM_PENALIZED_ROW with a bitmask that allows all but token 0."""
+    allowed = np.full((vocab + 31) // 32, -1, np.int32)
+    allowed[0] = ~1
+    return replace(WARM_PENALIZED_ROW, allowed=allowed)
 
 
 @dataclass(frozen=True)
@@ -57,8 +79,9 @@ class DecodeInFlight:
 
 
 def sampling_arrays(rows: list[SamplingRow], bucket: int):
-    """sample's (temperature, top_p, top_k, min_p, keys) for `rows`, and their penalties
-    (logit_history.penalize's),
+    """sample's (temperature, top_p, top_k, min_p, keys) for `rows`, their penalties
+    (logit_history.penalize's) and their bitmasks of allowed tokens (None when no row is
+    constrained; a row that is not, all ones),
     then padding rows up to `bucket` (sampled greedily, dropped: one compiled sampler per
     batch bucket, not per number of rows)."""
     padded = rows + [FILLER_ROW] * (bucket - len(rows))
@@ -68,8 +91,15 @@ def sampling_arrays(rows: list[SamplingRow], bucket: int):
 
     penalties = (column("presence", np.float32), column("frequency", np.float32),
                  column("repetition", np.float32), column("uses_history", np.bool_))
+    masks = [r.allowed for r in padded if r.allowed is not None]
+    allowed = None
+    if masks:
+        allowed = np.full((bucket, masks[0].shape[0]), -1, np.int32)
+        for i, r in enumerate(padded):
+            if r.allowed is not None:
+                allowed[i] = r.allowed
     return (column("temperature", np.float32), column("top_p", np.float32), column("top_k", np.int32),
-            column("min_p", np.float32), np.stack([r.key for r in padded]).astype(np.uint32), penalties)
+            column("min_p", np.float32), np.stack([r.key for r in padded]).astype(np.uint32), penalties, allowed)
 
 
 def sampled_rows(rows: list[SamplingRow], drawn, experts: np.ndarray) -> list[Sampled]:

@@ -294,11 +294,13 @@ class Engine(Service, Collected):
         yields its EventStream. Leaving the block early, or a cancel of the surrounding
         scope, cancels the request."""
         request = GenerationRequest.of(prompt, **fields)
+        model = self._loaded()
         ids = self.encode(prompt)
-        tokens.check_ids(self._loaded().tokenizer, request, ids)
+        tokens.check_ids(model.tokenizer, request, ids)
+        constraint = model.grammars.compile(request.grammar) if request.grammar is not None else None
         rid = request.request_id if request.request_id is not None else next(self._ids)
         send, receive = open_stream()
-        await self._send(Submit(rid, request, ids, send))
+        await self._send(Submit(rid, request, ids, send, constraint))
         events = EventStream(rid, receive)
         refused = False
         with receive:

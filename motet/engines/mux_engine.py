@@ -254,7 +254,8 @@ class MuxEngine(ChatFiles, Service, Collected):
         if r.prefill_only:
             self._send(mux.encode_prefill(mux.Prefill(stream.request_id, slot, payload)), quiet)
         else:
-            submit = mux.Submit(stream.request_id, slot, r.max_tokens, r.temperature, r.top_p, payload)
+            grammar = None if r.grammar is None else mux.grammar_to_wire(r.grammar)
+            submit = mux.Submit(stream.request_id, slot, r.max_tokens, r.temperature, r.top_p, payload, grammar)
             self._send(mux.encode_submit(submit), quiet)
         stream.slot, stream.sent_at = slot, time.perf_counter()
 

@@ -31,10 +31,10 @@ from ..runtime.errors import EngineError
 from ..runtime.serve_settings import ServeSettings
 from . import openai_responses as shape
 from . import static
-from .errors import ApiError, from_engine, invalid
+from .errors import ApiError, InvalidRequest, from_engine, invalid
 from .generate import Generation, Turn
 from .metrics import Metrics, RecentRate
-from .openai_schema import InvalidRequest, Limits, parse_chat, parse_completion, parse_detokenize, parse_tokenize
+from .openai_schema import Limits, parse_chat, parse_completion, parse_detokenize, parse_tokenize
 from .openapi import openapi_document
 from .slots import SlotRoutes
 

@@ -30,6 +30,15 @@ from ..runtime.errors import (
 )
 
 
+class InvalidRequest(Exception):
+    """A request field that is wrong: a 400 naming it (`param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
 @dataclass(frozen=True)
 class ApiError:
     status: int

@@ -60,7 +60,8 @@ def engine_kwargs(options: Options, default_max_tokens: int) -> dict:
         max_tokens=options.max_tokens or default_max_tokens, temperature=options.temperature,
         top_p=options.top_p, top_k=options.top_k, min_p=options.min_p, presence_penalty=options.presence_penalty,
         frequency_penalty=options.frequency_penalty, repetition_penalty=options.repetition_penalty,
-        logit_bias=dict(options.logit_bias), stop_token_ids=options.stop_token_ids, seed=options.seed,
+        logit_bias=dict(options.logit_bias), stop_token_ids=options.stop_token_ids, grammar=options.grammar,
+        seed=options.seed,
         slot=options.cache_slot, stop=options.stop,
         # a token's own logprob and text come with its candidates (a mux engine has no other)
         top_logprobs=max(1, options.top_logprobs) if options.logprobs else 0,

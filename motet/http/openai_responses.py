@@ -22,7 +22,9 @@ def sse(obj: dict) -> bytes:
 
 
 def finish_reason(stats: TurnStats) -> str:
-    return "length" if stats.finish_reason == "length" else "stop"
+    """OpenAI's "stop" or "length", or motet's "grammar": the request's grammar left no
+    token to sample."""
+    return stats.finish_reason if stats.finish_reason in ("length", "grammar") else "stop"
 
 
 def usage(stats: TurnStats) -> dict:

@@ -14,18 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeGuard
 
-from ..runtime.api import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_K
+from ..runtime.api import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_K, Grammar
 from ..runtime.serve_settings import MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOPS
+from .errors import InvalidRequest
+from .structured import grammar_of
 
 MAX_TOP_LOGPROBS = 5
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-
-class InvalidRequest(Exception):
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -53,6 +48,7 @@ class Options:
     repetition_penalty: float = 1.0  # vLLM's extension: 1 none
     logit_bias: tuple[tuple[int, float], ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # vLLM's extension
+    grammar: Grammar | None = None  # response_format or structured_outputs (structured.py)
     stop: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: bool = False  # report each token's logprob
@@ -259,6 +255,7 @@ def _options(body: dict, limits: Limits, max_tokens: int | None, logprobs: bool,
         repetition_penalty=1.0 if repetition is None else repetition,
         logit_bias=_logit_bias(body.get("logit_bias")),
         stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids"),
+        grammar=grammar_of(body),
         stop=_stop(body.get("stop"), limits),
         seed=_int(body, "seed", 0, (1 << 63) - 1),
         logprobs=logprobs,

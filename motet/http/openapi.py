@@ -12,7 +12,7 @@ from __future__ import annotations
 from functools import partial
 
 from .. import __version__
-from ..runtime.api import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_K
+from ..runtime.api import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_K
 from ..runtime.serve_settings import ServeSettings
 from .openai_schema import MAX_TOP_LOGPROBS, ROLES
 from .slots import FILENAME_PATTERN, MAX_FILENAME_BYTES
@@ -87,6 +87,23 @@ def _schemas(settings: ServeSettings, slots: int) -> dict:
             "description": "token id → a value added to its logit before sampling"}),
         "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0},
                                      "description": "sampling one of these ends the answer (vLLM)"}),
+        "response_format": _nullable({"anyOf": [
+            {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+            {"type": "object", "required": ["type", "json_schema"], "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {"type": "object", "properties": {
+                    "name": {"type": "string"}, "description": {"type": "string"},
+                    "schema": {"type": "object"}, "strict": _nullable({"type": "boolean"})}}}}],
+            "description": "the answer is JSON: any object, or one that matches the schema"}),
+        "structured_outputs": _nullable({
+            "type": "object", "minProperties": 1, "maxProperties": 1, "properties": {
+                "json": {"anyOf": [{"type": "object"}, {"type": "string", "maxLength": MAX_GRAMMAR_CHARS}]},
+                "json_object": {"const": True},
+                "regex": {"type": "string", "minLength": 1, "maxLength": MAX_GRAMMAR_CHARS},
+                "choice": {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                "grammar": {"type": "string", "minLength": 1, "maxLength": MAX_GRAMMAR_CHARS}},
+            "description": "vLLM's: the answer matches a JSON schema, any JSON object, a regex, one of "
+                           "the choices, or a Lark or GBNF grammar (one of them)"}),
         "user": {"type": "string"},
         "cache_slot": _nullable({"type": "integer", "minimum": 0, "maximum": slots - 1,
                                  "description": "pin the request to this KV slot (motet)"}),
@@ -95,7 +112,7 @@ def _schemas(settings: ServeSettings, slots: int) -> dict:
     counts = {"type": "integer", "minimum": 0}
     head = {"id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
             "model": {"type": "string"}, "system_fingerprint": {"type": "string"}}
-    finish = _nullable({"enum": ["stop", "length"]})
+    finish = _nullable({"enum": ["stop", "length", "grammar"]})
     top_properties = {"token": {"type": "string"}, "logprob": number,
                       "bytes": {"type": "array", "items": {"type": "integer"}}}
     top = {"type": "object", "required": ["token", "logprob"], "properties": top_properties}

@@ -28,8 +28,7 @@ from quart import request
 from ..protocol.session_file import SessionError
 from ..runtime.engine_api import EngineAPI
 from ..runtime.errors import EngineError
-from .errors import ApiError, from_slot_file
-from .openai_schema import InvalidRequest
+from .errors import ApiError, InvalidRequest, from_slot_file
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from .logit_history import count_fed, empty_history, penalize
 from .moe import dense_ffn, moe_ffn
 from .norm import add_rms_norm, rms_norm
 from .quant import QTensor, matmul, take_rows
-from .sampling import pack_sampled, sample
+from .sampling import open_mask, pack_sampled, sample
 from .sharding import KV_SPEC, TP, axis_size, mesh_of, weight_specs
 
 F32 = jnp.float32
@@ -211,7 +211,8 @@ def decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, sampling
     """decode, and each row's next token drawn from its logits by sampling.sample in the
     same compiled call: one dispatch and one read-back a step instead of several (0.5 ms
     of a 5 ms MoE step, measured). sampling: sample's (temperature, top_p, top_k, min_p,
-    keys) for every row, then logit_history.penalize's penalties; want_top: a bool array.
+    keys) for every row, then logit_history.penalize's penalties, then sample's
+    `allowed` bitmask; want_top: a bool array.
 
     carry [slots + 1, 4] int32: per KV slot, what the last step that fed it sampled
     (pack_sampled's first four columns: token, logprob, key). A row with chained[i]
@@ -234,7 +235,7 @@ CARRY_WIDTH = 4
 @partial(jax.jit, static_argnames=("cfg", "moe_impl", "mesh"), donate_argnames=("history",))
 def _decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, sampling, want_top, carry, chained,
                     history, *, cfg, moe_impl, mesh):
-    temperature, top_p, top_k, min_p, keys, penalties = sampling
+    temperature, top_p, top_k, min_p, keys, penalties, allowed = sampling
     held = carry[slots]
     tokens = jnp.where(chained, held[:, 0], tokens)
     keys = jnp.where(chained[:, None], jax.lax.bitcast_convert_type(held[:, 2:4], jnp.uint32), keys)
@@ -242,7 +243,7 @@ def _decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, samplin
                                             moe_impl=moe_impl, mesh=mesh)
     history = count_fed(history, slots, tokens)
     scores = penalize(logits, history, slots, penalties)
-    drawn = pack_sampled(sample(logits, temperature, top_p, top_k, min_p, keys, want_top, scores))
+    drawn = pack_sampled(sample(logits, temperature, top_p, top_k, min_p, keys, want_top, scores, allowed))
     carry = carry.at[slots].set(drawn[:, :CARRY_WIDTH])
     if mesh is not None:  # as empty_carry placed it: one signature for every step
         carry, history = jax.lax.with_sharding_constraint((carry, history), NamedSharding(mesh, P()))
@@ -259,12 +260,13 @@ def empty_carry(slots: int, mesh: Mesh | None = None) -> jax.Array:
     return carry if mesh is None else jax.device_put(carry, NamedSharding(mesh, P()))
 
 
-def greedy_sampling(batch: int):
-    """decode_sampled's sampling for `batch` greedy rows with no penalties, host arrays."""
+def greedy_sampling(batch: int, vocab: int):
+    """decode_sampled's sampling for `batch` greedy rows with no penalties and no
+    constraint, host arrays."""
     zeros = np.zeros(batch, np.float32)
     penalties = (zeros, zeros, np.ones(batch, np.float32), np.zeros(batch, np.bool_))
     return (zeros, np.ones(batch, np.float32), np.zeros(batch, np.int32), zeros, np.zeros((batch, 2), np.uint32),
-            penalties)
+            penalties, open_mask(batch, vocab))
 
 
 def lower_decode_sampled(weights, k_cache, v_cache, batch: int, *, cfg, moe_impl="auto"):
@@ -272,7 +274,8 @@ def lower_decode_sampled(weights, k_cache, v_cache, batch: int, *, cfg, moe_impl
     lower_prefill)."""
     rows = jax.device_put(np.zeros(batch, np.int32))
     slots, mesh = k_cache[0].shape[0], mesh_of(weights)
-    return _decode_sampled.trace(weights, k_cache, v_cache, rows, rows, rows, greedy_sampling(batch), np.bool_(False),
+    return _decode_sampled.trace(weights, k_cache, v_cache, rows, rows, rows, greedy_sampling(batch, cfg.vocab_size),
+                                 np.bool_(False),
                                  empty_carry(slots, mesh), np.zeros(batch, np.bool_),
                                  empty_history(slots, cfg.vocab_size, mesh), cfg=cfg, moe_impl=moe_impl,
                                  mesh=mesh).lower()

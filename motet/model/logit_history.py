@@ -86,10 +86,10 @@ def penalize(logits, history: LogitHistory, slots, penalties):
 
 
 @partial(jax.jit, donate_argnums=3)
-def sample_with_history(logits, cuts, want_top, history: LogitHistory, slots, fed, penalties):
-    """sampling.sample of `logits` with cuts (temperature, top_p, top_k, min_p, keys), each
-    row's fed token (< 0: none) counted first and the rows penalized: for the samples
-    taken outside a decode step (after a prefill; tiered decode). Returns (the history,
-    sample's outputs)."""
+def sample_with_history(logits, cuts, want_top, history: LogitHistory, slots, fed, penalties, allowed):
+    """sampling.sample of `logits` with cuts (temperature, top_p, top_k, min_p, keys) and
+    `allowed`, each row's fed token (< 0: none) counted first and the rows penalized: for
+    the samples taken outside a decode step (after a prefill; tiered decode). Returns
+    (the history, sample's outputs)."""
     history = count_fed(history, slots, fed)
-    return history, sample(logits, *cuts, want_top, penalize(logits, history, slots, penalties))
+    return history, sample(logits, *cuts, want_top, penalize(logits, history, slots, penalties), allowed)

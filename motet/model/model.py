@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import jax
@@ -11,6 +12,7 @@ import numpy as np
 
 from .chat_template import CHATML_TEMPLATE, render_chat
 from .config import ModelConfig
+from .constraint import GrammarCompiler
 from .errors import ContextLengthError
 from .expert_pool import ExpertReader
 from .forward import prefill
@@ -31,6 +33,11 @@ class Model:
     expert_reader: ExpertReader | None = None
     # The KV cache's element type (kv.KV_DTYPES); load_model picks it (kv.pick_kv_dtype).
     kv_dtype: str = "float32"
+
+    @cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles requests' grammars against this model's vocabulary (constraint.py)."""
+        return GrammarCompiler(self.tokenizer, self.config.vocab_size)
 
     @property
     def experts_packed(self) -> bool:

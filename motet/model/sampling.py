@@ -41,17 +41,31 @@ def _min_p_mask(logits: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where(logits >= floor, logits, -jnp.inf)
 
 
+def _only_allowed(scores: jax.Array, allowed: jax.Array) -> jax.Array:
+    """Scores of the tokens whose bit is clear set to -inf."""
+    bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    keep = bits.reshape(allowed.shape[0], -1)[:, : scores.shape[-1]].astype(jnp.bool_)
+    return jnp.where(keep, scores, -jnp.inf)
+
+
+def open_mask(rows: int, vocab: int) -> np.ndarray:
+    """The bitmask that allows every token, for `rows` rows."""
+    return np.full((rows, (vocab + 31) // 32), -1, np.int32)
+
+
 TOP_CANDIDATES = 5  # the most top logprobs a request may ask for
 
 
 @jax.jit
-def sample(logits, temperature, top_p, top_k, min_p, keys, want_top=False, scores=None):
+def sample(logits, temperature, top_p, top_k, min_p, keys, want_top=False, scores=None, allowed=None):
     """Pick one token per row.
 
-    logits [b, v] float32; scores: what to pick from where not the logits themselves (a
-    penalized batch's, logit_history.penalize); temperature, top_p, min_p [b] float32; top_k [b] int32 (0:
+    logits [b, v] float32; temperature, top_p, min_p [b] float32; top_k [b] int32 (0:
     none); keys [b, 2] uint32; want_top: a bool, traced (the top candidates cost time
-    only when asked for). A sampled row draws from its logits over temperature, cut to
+    only when asked for); scores: what to pick from where not the logits themselves (a
+    penalized batch's, logit_history.penalize); allowed: int32 [b, ceil(v / 32)], the
+    tokens each row may draw as bits (constraint.py's bitmask; all ones: any, and a
+    batch of such rows skips the mask). A sampled row draws from its logits over temperature, cut to
     its top k, then to its nucleus (top_p), then to the tokens at least min_p times as
     likely as its likeliest (each cut, and its sort, runs only when some row asks for it).
     Returns (tokens [b], logprob of each token [b], next keys [b, 2], the top
@@ -60,6 +74,8 @@ def sample(logits, temperature, top_p, top_k, min_p, keys, want_top=False, score
     OpenAI reports them (vLLM's default too).
     """
     scores = logits if scores is None else scores
+    if allowed is not None:
+        scores = jax.lax.cond(jnp.any(allowed != -1), lambda s: _only_allowed(s, allowed), lambda s: s, scores)
     greedy = jnp.argmax(scores, axis=-1)
     split = jax.vmap(lambda k: jax.random.split(jax.random.wrap_key_data(k)))(keys)
     use, nxt = split[:, 0], split[:, 1]

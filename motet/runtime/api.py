@@ -6,7 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "cancelled", "prefilled"]
+# "grammar": the request's grammar left no token to sample (Grammar)
+FinishReason = Literal["stop", "length", "cancelled", "prefilled", "grammar"]
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+GRAMMAR_KINDS: tuple[GrammarKind, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_GRAMMAR_CHARS = 1 << 20
 MAX_TOP_K = (1 << 31) - 1  # the sampler keeps top_k in int32
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 MAX_REPETITION_PENALTY = 100.0  # far past any useful value; bounds what a request may send
@@ -25,6 +29,24 @@ def sampling_problem(max_tokens: int, temperature: float, top_p: float) -> str |
 
 
 @dataclass(frozen=True)
+class Grammar:
+    """What a request's answer must match (vLLM's structured_outputs): a JSON schema (as
+    JSON text), any JSON object (`text` empty), a regular expression, one of a list of
+    strings (a JSON array), or a grammar in Lark or llama.cpp's GBNF."""
+
+    kind: GrammarKind
+    text: str = ""
+
+    def __post_init__(self):
+        from .errors import BadRequest
+
+        if self.kind not in GRAMMAR_KINDS:
+            raise BadRequest(f"a grammar's kind is one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}")
+        if len(self.text) > MAX_GRAMMAR_CHARS:
+            raise BadRequest(f"the grammar holds {len(self.text)} characters; at most {MAX_GRAMMAR_CHARS}")
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     prompt: str | tuple[int, ...]
     max_tokens: int = 256
@@ -38,6 +60,7 @@ class GenerationRequest:
     repetition_penalty: float = 1.0  # a token in the prompt or the answer: divided (positive) or multiplied
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     stop_token_ids: tuple[int, ...] = ()  # sampling one ends the request ("stop"; not emitted)
+    grammar: Grammar | None = None  # the answer matches it (constrained decoding)
     seed: int | None = None
     slot: int | None = None
     stop: tuple[str, ...] = ()

@@ -21,6 +21,7 @@ from .api import (
     ExpertState,
     ExpertTiers,
     FinishEvent,
+    Grammar,
     Health,
     SlotFile,
     StartupReport,
@@ -48,7 +49,7 @@ class EngineAPI(Protocol):
                top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, presence_penalty: float = 0.0,
                frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
                logit_bias: Mapping[int, float] = {}, stop_token_ids: Sequence[int] = (),
-               seed: int | None = None, slot: int | None = None,
+               grammar: Grammar | None = None, seed: int | None = None, slot: int | None = None,
                stop: str | Sequence[str] = (), top_logprobs: int = 0, request_id: int | None = None,
                prefill_only: bool = False) -> AbstractAsyncContextManager[Events]:
         """A request's events (runtime/api.py's GenerationRequest says what each field

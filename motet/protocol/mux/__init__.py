@@ -33,6 +33,7 @@ from .extension import (  # noqa: F401 - the protocol's names, as mux.X
     encode_session_refused,
     encode_warmup,
 )
+from .grammar import grammar_from_wire, grammar_to_wire  # noqa: F401 - the protocol's names, as mux.X
 from .lines import (  # noqa: F401 - the protocol's names, as mux.X
     MAX_DATA,
     MAX_LINE,
