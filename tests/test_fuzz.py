@@ -43,6 +43,7 @@ from test_http import TIMEOUT, tiny_server
 from test_session_file import HEADER
 
 from motet.engines.mux_engine import MuxEngine
+from motet.http.anthropic_schema import parse_messages
 from motet.http.openai_schema import ROLES, InvalidRequest, Limits, parse_chat, parse_completion
 from motet.model.chat_template import ChatTemplateError
 from motet.model.loader import load_chat
@@ -294,7 +295,8 @@ MESSAGE = st.fixed_dictionaries(
 ) | JSON
 CHAT_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop",
                "stream", "stream_options", "seed", "n", "presence_penalty", "frequency_penalty", "logprobs",
-               "top_logprobs", "cache_slot", "user")
+               "top_logprobs", "cache_slot", "user", "top_k", "min_p", "repetition_penalty", "logit_bias",
+               "stop_token_ids", "response_format", "structured_outputs")
 COMPLETION_FIELDS = (*(f for f in CHAT_FIELDS if f not in ("messages", "max_completion_tokens", "top_logprobs")),
                      "prompt", "echo", "best_of", "suffix")
 PLAUSIBLE = {  # values that pass, so the fields after them are reached too
@@ -305,8 +307,14 @@ PLAUSIBLE = {  # values that pass, so the fields after them are reached too
     "logprobs": st.booleans() | st.integers(0, 5), "top_logprobs": st.integers(0, 5),
     "cache_slot": st.integers(0, 3), "seed": st.integers(0, 2**63 - 1),
 }
+MESSAGES_FIELDS = ("model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p", "top_k",
+                   "stream", "tools", "thinking", "metadata")
+PLAUSIBLE |= {"system": TEXT | st.lists(PART, max_size=2), "stop_sequences": st.lists(TEXT, max_size=3),
+              "logit_bias": st.dictionaries(st.integers(0, 99).map(str), st.floats(-100, 100), max_size=3),
+              "response_format": st.sampled_from([{"type": "json_object"}, {"type": "text"}]),
+              "structured_outputs": st.sampled_from([{"regex": "[a-z]+"}, {"choice": ["a", "b"]}])}
 SMALL = Limits(max_messages=3, max_stops=2, max_stop_chars=4, max_prompt_chars=12, max_tokens=32)
-REQUIRED = {"model", "messages", "prompt"}
+REQUIRED = {"model", "messages", "prompt", "max_tokens"}
 
 
 @st.composite
@@ -385,6 +393,13 @@ def test_openai_chat_fuzzed(body, limits):
 @given(bodies(COMPLETION_FIELDS), st.sampled_from([Limits(), SMALL]))
 def test_openai_completion_fuzzed(body, limits):
     check_parse(parse_completion, body, limits)
+
+
+@FUZZ
+@given(bodies(MESSAGES_FIELDS), st.sampled_from([Limits(), SMALL]), st.booleans())
+def test_anthropic_messages_fuzzed(body, limits, count_only):
+    """Anthropic's Messages request: a ChatRequest, or a 400 naming one of its own fields."""
+    check_parse(lambda b, lim: parse_messages(b, lim, count_only), body, limits)
 
 
 # ---- request bodies on the live server ----------------------------------------------------

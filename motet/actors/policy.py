@@ -19,6 +19,7 @@ class StopMatcher:
     def __init__(self, stops: Sequence[str]):
         self.stops = tuple(s for s in stops if s)
         self.pending = ""
+        self.matched: str | None = None  # the stop string found, once one is
 
     def push(self, text: str) -> tuple[str, bool]:
         if not self.stops:
@@ -26,10 +27,11 @@ class StopMatcher:
         buf = self.pending + text
         # The match that ends first wins (ties: the one that starts first), so the result
         # does not depend on how the text arrived, even when one stop contains another.
-        hits = [(i + len(s), i) for s, i in ((s, buf.find(s)) for s in self.stops) if i >= 0]
+        hits = [(i + len(s), i, s) for s, i in ((s, buf.find(s)) for s in self.stops) if i >= 0]
         if hits:
+            _, start, self.matched = min(hits)
             self.pending = ""
-            return buf[: min(hits)[1]], True
+            return buf[:start], True
         hold = 0
         for stop in self.stops:
             for k in range(min(len(stop) - 1, len(buf)), 0, -1):

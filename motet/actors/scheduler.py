@@ -348,7 +348,7 @@ class Scheduler:
             if not matched:
                 tail += act.stops.flush()
         stats, telemetry = act.turn_stats(reason, now), act.telemetry()
-        self._send(act, FinishEvent(stats, tail, telemetry, self._report(stats, telemetry, act)))
+        self._send(act, FinishEvent(stats, tail, telemetry, self._report(stats, telemetry, act), act.stops.matched))
         act.submit.events.close()
         send, recv = open_reply()
         await self.slots[act.slot].inbox.send.send(Release(send))

@@ -227,4 +227,4 @@ class MuxStream:
         # the REPIN entries as the child wrote them (four fields on a well-formed line),
         # passed on unchecked: mux_report reads them as tuples of any length
         report = TurnReport(self.perf or Perf(dt=stats.total_s), *self.entropy_gpus, tuple(self.repin))
-        return FinishEvent(stats, tail, None, report)
+        return FinishEvent(stats, tail, None, report, self._stops.matched)

@@ -29,17 +29,20 @@ from werkzeug.exceptions import HTTPException, NotFound
 from ..runtime.engine_api import EngineAPI
 from ..runtime.errors import EngineError
 from ..runtime.serve_settings import ServeSettings
+from . import anthropic_schema as messages_shape
 from . import openai_responses as shape
 from . import static
+from .anthropic_schema import parse_messages
 from .errors import ApiError, InvalidRequest, from_engine, invalid
 from .generate import Generation, Turn
 from .metrics import Metrics, RecentRate
-from .openai_schema import Limits, parse_chat, parse_completion, parse_detokenize, parse_tokenize
+from .openai_schema import ChatRequest, Limits, parse_chat, parse_completion, parse_detokenize, parse_tokenize
 from .openapi import openapi_document
 from .slots import SlotRoutes
 
 log = logging.getLogger(__name__)
 
+MESSAGES = "/v1/messages"  # Anthropic's routes, which answer errors in its shape
 PROTECTED = ("/v1/", "/experts", "/metrics", "/slots", "/tokenize", "/detokenize")
 CORS_METHODS = "GET, POST, OPTIONS"
 CORS_HEADERS = "Authorization, Content-Type, X-Api-Key"
@@ -47,8 +50,9 @@ CORS_MAX_AGE_S = 600
 
 
 def error_response(error: ApiError) -> Response:
-    return Response(json.dumps(error.body()), status=error.status, headers=error.headers(),
-                    content_type="application/json")
+    """The error in OpenAI's shape, or in Anthropic's on its routes."""
+    body = messages_shape.error_body(error) if request.path.startswith(MESSAGES) else error.body()
+    return Response(json.dumps(body), status=error.status, headers=error.headers(), content_type="application/json")
 
 
 class Server:
@@ -137,14 +141,52 @@ class Server:
 
     async def chat_completions(self):
         body = parse_chat(await self._json(), self.limits)
+        prompt = self._render(body)
+        if isinstance(prompt, Response):
+            return prompt
+        return await self._generate(Turn(True, self.engine.name, body.options, trio.current_time()),
+                                    prompt)
+
+    def _render(self, body: ChatRequest) -> str | Response:
+        """The conversation through the chat template, or the error response."""
         try:
-            prompt = self.engine.render_chat([dict(m) for m in body.messages])
+            return self.engine.render_chat([dict(m) for m in body.messages])
         except ValueError as exc:  # the chat template refused this conversation
             raise InvalidRequest(str(exc), "messages") from None
         except EngineError as exc:  # no engine to render with (a mux child starting again)
             return error_response(from_engine(exc, "messages", self.settings.retry_after_s))
-        return await self._generate(Turn(True, self.engine.name, body.options, trio.current_time()),
-                                    prompt)
+
+    # ---- Anthropic's Messages ---------------------------------------------------------
+
+    async def messages(self):
+        body = parse_messages(await self._json(), self.limits)
+        prompt = self._render(body)
+        if isinstance(prompt, Response):
+            return prompt
+        if self.closing:
+            return self._shutting_down()
+        turn = Turn(True, self.engine.name, body.options, trio.current_time())
+        if body.options.stream:
+            stream = await self.generation.open_stream(turn, prompt, anthropic=True)
+            if isinstance(stream, ApiError):
+                return error_response(stream)
+            return Response(stream, content_type="text/event-stream; charset=utf-8",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        finish = await self.generation.collect(turn, prompt)
+        if isinstance(finish, ApiError):
+            return error_response(finish)
+        text = "".join(turn.texts) + finish.text_tail
+        return messages_shape.message(messages_shape.message_id(), turn.model, text, finish)
+
+    async def count_tokens(self):
+        body = parse_messages(await self._json(), self.limits, count_only=True)
+        prompt = self._render(body)
+        if isinstance(prompt, Response):
+            return prompt
+        try:
+            return {"input_tokens": len(self.engine.tokenize(prompt))}
+        except EngineError as exc:  # text no tokenizer reads; no engine (a mux child starting again)
+            return error_response(from_engine(exc, "messages", self.settings.retry_after_s))
 
     async def completions(self):
         body = parse_completion(await self._json(), self.limits)
@@ -288,6 +330,8 @@ def create_app(engine: EngineAPI, settings: ServeSettings) -> QuartTrio:
     routes: list[tuple[str, RouteCallable, str]] = [
         ("/v1/chat/completions", server.chat_completions, "POST"),
         ("/v1/completions", server.completions, "POST"),
+        ("/v1/messages", server.messages, "POST"),
+        ("/v1/messages/count_tokens", server.count_tokens, "POST"),
         ("/v1/models", server.models, "GET"),
         ("/v1/models/<path:model_id>", server.model, "GET"),
         ("/tokenize", server.tokenize, "POST"),

@@ -20,8 +20,9 @@ import trio
 from ..runtime.api import FinishEvent, TokenEvent, TurnReport
 from ..runtime.engine_api import EngineAPI, Events
 from ..runtime.errors import Cancelled, EngineError
+from . import anthropic_schema as messages_shape
 from . import openai_responses as shape
-from .errors import from_engine
+from .errors import ApiError, from_engine
 from .openai_schema import Options
 
 
@@ -108,6 +109,20 @@ class Generation:
 
     async def answer(self, turn: Turn, prompt: str):
         """The whole answer as an OpenAI object, or an ApiError."""
+        finish = await self.collect(turn, prompt)
+        if isinstance(finish, ApiError):
+            return finish
+        text, asked = "".join(turn.texts) + finish.text_tail, turn.options.logprobs
+        head = (turn.ident, turn.created, turn.model, text, finish)
+        if turn.chat:
+            content = [shape.chat_logprob(e, turn.k) for e in turn.logprobs] if asked else None
+            return shape.chat_completion(*head, content, turn.topk())
+        logprobs = shape.completion_logprobs(turn.logprobs, turn.k) if asked else None
+        return shape.text_completion(*head, logprobs, turn.topk())
+
+    async def collect(self, turn: Turn, prompt: str) -> FinishEvent | ApiError:
+        """Run the turn to its end: its FinishEvent (the text is in turn.texts), or an
+        ApiError."""
         finish: FinishEvent | None = None
         refusal: EngineError | None = None
         entered = False
@@ -133,18 +148,13 @@ class Generation:
         self._finish(finish)
         if finish.stats.finish_reason == "cancelled":  # cancelled by someone else
             return self._error(turn, Cancelled())
-        text, asked = "".join(turn.texts) + finish.text_tail, turn.options.logprobs
-        head = (turn.ident, turn.created, turn.model, text, finish)
-        if turn.chat:
-            content = [shape.chat_logprob(e, turn.k) for e in turn.logprobs] if asked else None
-            return shape.chat_completion(*head, content, turn.topk())
-        logprobs = shape.completion_logprobs(turn.logprobs, turn.k) if asked else None
-        return shape.text_completion(*head, logprobs, turn.topk())
+        return finish
 
     # ---- streaming ------------------------------------------------------------------
 
-    async def open_stream(self, turn: Turn, prompt: str):
-        """Submit the request; the SSE body to send, or an ApiError when it is refused."""
+    async def open_stream(self, turn: Turn, prompt: str, anthropic: bool = False):
+        """Submit the request; the SSE body to send (OpenAI's chunks, or Anthropic's
+        events), or an ApiError when it is refused."""
         request = AsyncExitStack()  # the stream block, left by the body once the request is over
         try:
             events = await request.enter_async_context(self.engine.stream(prompt, **self._kwargs(turn)))
@@ -153,7 +163,7 @@ class Generation:
         except trio.Cancelled:  # the client left while the engine took the request
             self.metrics.requests.labels("cancelled").inc()
             raise
-        return self._frames(turn, request, events)
+        return (self._anthropic_frames if anthropic else self._frames)(turn, request, events)
 
     async def _frames(self, turn: Turn, request: AsyncExitStack, events: Events):
         # The body owns the accepted request from here: however it ends (finished, the
@@ -192,6 +202,35 @@ class Generation:
             yield shape.sse(self._error(turn, exc).body())
         finally:
             if finish is None:  # the client left (or the engine closed) mid-turn
+                self.metrics.requests.labels("cancelled").inc()
+            await request.aclose()
+
+    async def _anthropic_frames(self, turn: Turn, request: AsyncExitStack, events: Events):
+        """As _frames, in Anthropic's events: message_start, a text block's deltas,
+        message_delta with the stop reason and usage, message_stop."""
+        finish: FinishEvent | None = None
+        ident = messages_shape.message_id()
+        try:
+            yield messages_shape.start_events(ident, turn.model, 0)
+            async for event in events:
+                if isinstance(event, TokenEvent):
+                    self._token(turn, event)
+                    if event.text:
+                        yield messages_shape.text_event(event.text)
+                else:
+                    finish = event
+            assert finish is not None  # a stream that ends without raising ends with its FinishEvent
+            self._finish(finish)
+            if finish.stats.finish_reason == "cancelled":
+                yield messages_shape.event("error", messages_shape.error_body(self._error(turn, Cancelled())))
+                return
+            if finish.text_tail:
+                yield messages_shape.text_event(finish.text_tail)
+            yield messages_shape.end_events(finish)
+        except EngineError as exc:  # the engine closed under the stream: say so, in-band
+            yield messages_shape.event("error", messages_shape.error_body(self._error(turn, exc)))
+        finally:
+            if finish is None:
                 self.metrics.requests.labels("cancelled").inc()
             await request.aclose()
 

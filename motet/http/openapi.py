@@ -14,6 +14,7 @@ from functools import partial
 from .. import __version__
 from ..runtime.api import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_K
 from ..runtime.serve_settings import ServeSettings
+from . import anthropic_schema as messages_shape
 from .openai_schema import MAX_TOP_LOGPROBS, ROLES
 from .slots import FILENAME_PATTERN, MAX_FILENAME_BYTES
 
@@ -337,6 +338,7 @@ def openapi_document(settings: ServeSettings, model: str, slots: int) -> dict:
             "/v1/chat/completions": _generation("a chat answer", "ChatCompletionRequest",
                                                 "ChatCompletion", key),
             "/v1/completions": _generation("a text completion", "CompletionRequest", "TextCompletion", key),
+            **messages_shape.openapi_paths(key),
             "/v1/models": _get("the served model", {"200": _json(_ref("ModelList"), "one model")},
                                security=key),
             "/v1/models/{model_id}": _get(
@@ -365,7 +367,8 @@ def openapi_document(settings: ServeSettings, model: str, slots: int) -> dict:
                 parameters=[_path_param("path", "a file's path in the web folder")]),
         },
         "components": {
-            "schemas": _schemas(settings, slots),
+            "schemas": {**_schemas(settings, slots), **messages_shape.openapi_schemas(
+                settings.max_messages, settings.max_prompt_chars, settings.max_context)},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
                                 "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}},
         },

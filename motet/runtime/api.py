@@ -380,6 +380,7 @@ class FinishEvent:
     text_tail: str = ""  # text held back until the end (stop-string prefixes, partial UTF-8)
     telemetry: Telemetry | None = None  # the turn's timings and routing (in-process engine)
     report: TurnReport | None = None  # the turn's telemetry as the fronts show it
+    stop_sequence: str | None = None  # the stop string that ended the answer, if one did
 
 
 @dataclass(frozen=True)
