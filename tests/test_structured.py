@@ -118,3 +118,18 @@ async def test_a_grammar_that_leaves_no_token_ends_the_request(default_model):
             dead = await engine.complete("hi", max_tokens=8, grammar=Grammar("grammar", "start: start"))
             assert (await engine.complete("hi", max_tokens=2)).token_ids
     assert dead.stats.finish_reason == "grammar" and dead.token_ids == ()
+
+
+async def test_a_grammar_waits_for_its_after_text(tiny_model):
+    """Grammar.after (a reasoning block's end, on the chat route): the answer is free
+    until it has written that text, then matches the grammar."""
+    with trio.fail_after(TIMEOUT):
+        async with Engine(tiny_model("llama"), **TINY) as engine:
+            free = await engine.complete("the sea is", max_tokens=12)
+            marker = engine.detokenize(free.token_ids[:2])
+            waits = Grammar("choice", '["yes", "no"]', after=marker)
+            answer = await engine.complete("the sea is", max_tokens=12, grammar=waits)
+            never = await engine.complete("the sea is", max_tokens=12, grammar=Grammar("choice", '["yes"]',
+                                                                                       after="never written"))
+    assert answer.text.startswith(marker) and answer.text[len(marker):] in ("yes", "no"), answer.text
+    assert never.token_ids == free.token_ids  # the grammar never applied

@@ -47,6 +47,7 @@ class Active:
     repin: list[tuple[int, int, int, int]] = field(default_factory=list)  # moves onto the device
     expert_wait_s: float = 0.0  # its steps' seconds moving experts
     expert_disk_s: float = 0.0  # of those, reading the model file
+    before_grammar: str | None = ""  # the answer's last characters until Grammar.after shows (then None)
 
     @property
     def request(self) -> GenerationRequest:
@@ -88,13 +89,29 @@ class Active:
         constraint = self.submit.constraint
         return SamplingRow(r.temperature, r.top_p, r.top_k, r.min_p, self.key, r.top_logprobs > 0,
                            r.presence_penalty, r.frequency_penalty, r.repetition_penalty, r.uses_history,
-                           None if constraint is None else constraint.allowed())
+                           constraint.allowed() if constraint is not None and self.grammar_on else None)
+
+    @property
+    def grammar_on(self) -> bool:
+        """Whether the grammar applies to the next token: it has one and no Grammar.after,
+        or the answer has written that text (a reasoning block's end) already."""
+        grammar = self.request.grammar
+        return grammar is not None and (not grammar.after or self.before_grammar is None)
+
+    def watch(self, text: str) -> str:
+        """The answer's text as it is emitted, watched for the grammar's `after` (returned
+        as it is)."""
+        grammar = self.request.grammar
+        if grammar is not None and grammar.after and self.before_grammar is not None:
+            seen = self.before_grammar + text
+            self.before_grammar = None if grammar.after in seen else seen[-len(grammar.after):]
+        return text
 
     def grammar_refuses(self, token: int) -> bool:
         """Whether the request's grammar, if it has one, ends it at this token: it had left
         no token to sample, or refuses this one (logged, with its reason)."""
         constraint = self.submit.constraint
-        if constraint is None or constraint.accept(token):
+        if constraint is None or not self.grammar_on or constraint.accept(token):
             return False
         log.warning("request %d: its grammar ends it: %s", self.rid, constraint.failure)
         return True

@@ -300,7 +300,7 @@ class Scheduler:
             return
         act.emitted += 1
         act.token_ids.append(token)
-        text, stopped = act.stops.push(act.detok.push(token))
+        text, stopped = act.stops.push(act.watch(act.detok.push(token)))
         top = tuple(
             TopCandidate(tid, self.tokenizer.decode([tid]), lp) for tid, lp in sampled.top
         )[: act.request.top_logprobs]

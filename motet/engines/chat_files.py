@@ -30,8 +30,8 @@ class ChatFiles:
             self._chat = load_chat(self.path)
         return self._chat
 
-    def render_chat(self, messages: list[dict]) -> str:
-        return self._read()[1](messages)
+    def render_chat(self, messages: list[dict], **template_kwargs) -> str:
+        return self._read()[1](messages, **template_kwargs)
 
     def encode(self, prompt: str) -> list[int]:
         """As Engine.encode reads a text prompt."""

@@ -321,8 +321,8 @@ class Engine(Service, Collected):
                         except EngineClosed:
                             pass
 
-    def render_chat(self, messages: list[dict]) -> str:
-        return self._loaded().render_chat(messages, add_generation_prompt=True)
+    def render_chat(self, messages: list[dict], **template_kwargs) -> str:
+        return self._loaded().render_chat(messages, add_generation_prompt=True, **template_kwargs)
 
     async def cancel(self, request_id: int) -> None:
         """Cancel a request in flight; NotFound when there is none with this id."""

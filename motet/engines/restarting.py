@@ -72,8 +72,8 @@ class RestartingEngine(Collected):
         async with self._current().stream(prompt, **kwargs) as events:
             yield events
 
-    def render_chat(self, messages: list[dict]) -> str:
-        return self._current().render_chat(messages)
+    def render_chat(self, messages: list[dict], **template_kwargs) -> str:
+        return self._current().render_chat(messages, **template_kwargs)
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self._current().tokenize(text, add_special)

@@ -161,8 +161,8 @@ class SplitEngine(Service, Collected):
         encode = self._encode or self._decode_engine().encode
         return tuple(encode(prompt))
 
-    def render_chat(self, messages: list[dict]) -> str:
-        return self._decode_engine().render_chat(messages)
+    def render_chat(self, messages: list[dict], **template_kwargs) -> str:
+        return self._decode_engine().render_chat(messages, **template_kwargs)
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self._decode_engine().tokenize(text, add_special)

@@ -38,6 +38,7 @@ from .generate import Generation, Turn
 from .metrics import Metrics, RecentRate
 from .openai_schema import ChatRequest, Limits, parse_chat, parse_completion, parse_detokenize, parse_tokenize
 from .openapi import openapi_document
+from .reasoning import ReasoningSplitter, opens_reasoning
 from .slots import SlotRoutes
 
 log = logging.getLogger(__name__)
@@ -144,13 +145,14 @@ class Server:
         prompt = self._render(body)
         if isinstance(prompt, Response):
             return prompt
-        return await self._generate(Turn(True, self.engine.name, body.options, trio.current_time()),
-                                    prompt)
+        opened = opens_reasoning(prompt)
+        return await self._generate(Turn(True, self.engine.name, body.options, trio.current_time(),
+                                         reasoning=ReasoningSplitter(opened), reasoning_opened=opened), prompt)
 
     def _render(self, body: ChatRequest) -> str | Response:
         """The conversation through the chat template, or the error response."""
         try:
-            return self.engine.render_chat([dict(m) for m in body.messages])
+            return self.engine.render_chat([dict(m) for m in body.messages], **(body.options.template_kwargs or {}))
         except ValueError as exc:  # the chat template refused this conversation
             raise InvalidRequest(str(exc), "messages") from None
         except EngineError as exc:  # no engine to render with (a mux child starting again)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import secrets
 import time
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trio
 
@@ -22,8 +22,10 @@ from ..runtime.engine_api import EngineAPI, Events
 from ..runtime.errors import Cancelled, EngineError
 from . import anthropic_schema as messages_shape
 from . import openai_responses as shape
+from . import reasoning
 from .errors import ApiError, from_engine
 from .openai_schema import Options
+from .reasoning import ReasoningSplitter
 
 
 @dataclass
@@ -39,6 +41,9 @@ class Turn:
     texts: list[str] = field(default_factory=list)
     logprobs: list[TokenEvent] = field(default_factory=list)  # when asked
     last_token_at: float | None = None
+    # a chat answer's reasoning apart from its content; opened: the prompt opened the block
+    reasoning: ReasoningSplitter | None = None
+    reasoning_opened: bool = False
 
     def __post_init__(self):
         self.ident = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
@@ -100,7 +105,10 @@ class Generation:
             self.last_report = event.report
 
     def _kwargs(self, turn: Turn) -> dict:
-        return engine_kwargs(turn.options, self.default_max_tokens)
+        kwargs = engine_kwargs(turn.options, self.default_max_tokens)
+        if turn.reasoning_opened and turn.options.grammar is not None:  # the grammar is the answer's
+            kwargs["grammar"] = replace(turn.options.grammar, after=reasoning.END)
+        return kwargs
 
     def _error(self, turn: Turn, exc: EngineError):
         return from_engine(exc, turn.prompt_param, self.retry_after_s)
@@ -116,7 +124,9 @@ class Generation:
         head = (turn.ident, turn.created, turn.model, text, finish)
         if turn.chat:
             content = [shape.chat_logprob(e, turn.k) for e in turn.logprobs] if asked else None
-            return shape.chat_completion(*head, content, turn.topk())
+            thought, text = reasoning.split(text, turn.reasoning_opened) if turn.reasoning else ("", text)
+            return shape.chat_completion(turn.ident, turn.created, turn.model, text, finish, content, turn.topk(),
+                                         thought)
         logprobs = shape.completion_logprobs(turn.logprobs, turn.k) if asked else None
         return shape.text_completion(*head, logprobs, turn.topk())
 
@@ -179,8 +189,9 @@ class Generation:
             async for event in events:
                 if isinstance(event, TokenEvent):
                     self._token(turn, event)
-                    if event.text or turn.options.logprobs:
-                        yield shape.sse(self._chunk(turn, event.text, (event,), sent))
+                    delta = self._delta(turn, event.text)
+                    if delta or turn.options.logprobs:
+                        yield shape.sse(self._chunk(turn, delta, (event,), sent))
                         sent += len(event.text)
                 else:
                     finish = event
@@ -189,8 +200,9 @@ class Generation:
             if finish.stats.finish_reason == "cancelled":
                 yield shape.sse(self._error(turn, Cancelled()).body())
                 return
-            if finish.text_tail:
-                yield shape.sse(self._chunk(turn, finish.text_tail))
+            tail = self._delta(turn, finish.text_tail, end=True)
+            if tail:
+                yield shape.sse(self._chunk(turn, tail))
             yield shape.sse(self._chunk(turn, "", finish=shape.finish_reason(finish.stats)))
             obj = "chat.completion.chunk" if turn.chat else "text_completion"
             if turn.options.include_usage:
@@ -233,6 +245,19 @@ class Generation:
             if finish is None:
                 self.metrics.requests.labels("cancelled").inc()
             await request.aclose()
+
+    @staticmethod
+    def _delta(turn: Turn, text: str, end: bool = False) -> str | dict:
+        """A chat stream's delta for `text`: its reasoning and its content apart (end: and
+        what the splitter held back); completions' text as it is."""
+        if turn.reasoning is None:
+            return text
+        thought, content = turn.reasoning.push(text)
+        if end:
+            more_thought, more_content = turn.reasoning.flush()
+            thought, content = thought + more_thought, content + more_content
+        return ({"reasoning_content": thought, "reasoning": thought} if thought else {}) | (
+            {"content": content} if content else {})
 
     def _chunk(self, turn: Turn, content: str | dict, events: tuple[TokenEvent, ...] = (),
                sent: int = 0, finish: str | None = None) -> dict:

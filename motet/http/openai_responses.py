@@ -109,8 +109,11 @@ def _head(ident: str, obj: str, created: int, model: str) -> dict:
 
 
 def chat_completion(ident: str, created: int, model: str, text: str, finish: FinishEvent,
-                    logprobs: list[dict] | None, topk: list[list[dict]]) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                    logprobs: list[dict] | None, topk: list[list[dict]], reasoning: str = "") -> dict:
+    message = {"role": "assistant", "content": text}
+    if reasoning:  # vLLM's names for it, the older and the newer
+        message |= {"reasoning_content": reasoning, "reasoning": reasoning}
+    choice = {"index": 0, "message": message,
               "logprobs": None if logprobs is None else {"content": logprobs},
               "finish_reason": finish_reason(finish.stats)}
     return {**_head(ident, "chat.completion", created, model), "choices": [choice],

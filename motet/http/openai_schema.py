@@ -49,6 +49,7 @@ class Options:
     logit_bias: tuple[tuple[int, float], ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # vLLM's extension
     grammar: Grammar | None = None  # response_format or structured_outputs (structured.py)
+    template_kwargs: dict | None = None  # chat_template_kwargs (vLLM's): enable_thinking, ...
     stop: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: bool = False  # report each token's logprob
@@ -256,6 +257,7 @@ def _options(body: dict, limits: Limits, max_tokens: int | None, logprobs: bool,
         logit_bias=_logit_bias(body.get("logit_bias")),
         stop_token_ids=_token_ids(body.get("stop_token_ids"), "stop_token_ids"),
         grammar=grammar_of(body),
+        template_kwargs=_template_kwargs(body.get("chat_template_kwargs")),
         stop=_stop(body.get("stop"), limits),
         seed=_int(body, "seed", 0, (1 << 63) - 1),
         logprobs=logprobs,
@@ -264,6 +266,20 @@ def _options(body: dict, limits: Limits, max_tokens: int | None, logprobs: bool,
         include_usage=stream and include_usage,
         cache_slot=_int(body, "cache_slot", 0, None),
     )
+
+
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+def _template_kwargs(value: object) -> dict | None:
+    """vLLM's chat_template_kwargs: more variables for the chat template, none of the
+    ones the server sets itself."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or RESERVED_TEMPLATE_NAMES & value.keys():
+        raise InvalidRequest("'chat_template_kwargs' must be an object of template variables other than "
+                             f"{', '.join(sorted(RESERVED_TEMPLATE_NAMES))}", "chat_template_kwargs")
+    return value
 
 
 def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:

@@ -15,7 +15,7 @@ from .. import __version__
 from ..runtime.api import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_K
 from ..runtime.serve_settings import ServeSettings
 from . import anthropic_schema as messages_shape
-from .openai_schema import MAX_TOP_LOGPROBS, ROLES
+from .openai_schema import MAX_TOP_LOGPROBS, RESERVED_TEMPLATE_NAMES, ROLES
 from .slots import FILENAME_PATTERN, MAX_FILENAME_BYTES
 
 OPENAPI_VERSION = "3.1.0"
@@ -141,6 +141,10 @@ def _schemas(settings: ServeSettings, slots: int) -> dict:
                 "messages": {"type": "array", "minItems": 1, "maxItems": settings.max_messages,
                              "items": _ref("Message")},
                 "max_completion_tokens": common["max_tokens"],
+                "chat_template_kwargs": _nullable({
+                    "type": "object",
+                    "not": {"anyOf": [{"required": [name]} for name in sorted(RESERVED_TEMPLATE_NAMES)]},
+                    "description": "more variables for the chat template (vLLM's): enable_thinking, ..."}),
                 "logprobs": _nullable({"type": "boolean"}),
                 "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}),
             },

@@ -65,13 +65,15 @@ class Model:
     def chat_template(self) -> str:
         return self.tokenizer.chat_template or CHATML_TEMPLATE
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
+        """template_kwargs: more variables for the template (enable_thinking, ...)."""
         return render_chat(
             self.chat_template,
             messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.tokenizer.bos_token or "",
             eos_token=self.tokenizer.eos_token or "",
+            **template_kwargs,
         )
 
     def logits(self, token_ids) -> np.ndarray:

@@ -36,6 +36,7 @@ class Grammar:
 
     kind: GrammarKind
     text: str = ""
+    after: str = ""  # the grammar applies once the answer holds this text (a reasoning block's end)
 
     def __post_init__(self):
         from .errors import BadRequest

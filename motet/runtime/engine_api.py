@@ -62,8 +62,9 @@ class EngineAPI(Protocol):
 
     async def chat(self, messages: list[dict], **kwargs) -> Completion: ...
 
-    def render_chat(self, messages: list[dict]) -> str:
-        """The model's chat template applied, with the assistant's turn opened."""
+    def render_chat(self, messages: list[dict], **template_kwargs: Any) -> str:
+        """The model's chat template applied, with the assistant's turn opened;
+        template_kwargs: more variables for it (vLLM's chat_template_kwargs: enable_thinking...)."""
         ...
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
