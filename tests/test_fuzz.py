@@ -296,7 +296,8 @@ MESSAGE = st.fixed_dictionaries(
 CHAT_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop",
                "stream", "stream_options", "seed", "n", "presence_penalty", "frequency_penalty", "logprobs",
                "top_logprobs", "cache_slot", "user", "top_k", "min_p", "repetition_penalty", "logit_bias",
-               "stop_token_ids", "response_format", "structured_outputs", "chat_template_kwargs")
+               "stop_token_ids", "response_format", "structured_outputs", "chat_template_kwargs", "tools",
+               "tool_choice")
 COMPLETION_FIELDS = (*(f for f in CHAT_FIELDS if f not in ("messages", "max_completion_tokens", "top_logprobs")),
                      "prompt", "echo", "best_of", "suffix")
 PLAUSIBLE = {  # values that pass, so the fields after them are reached too

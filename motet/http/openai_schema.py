@@ -230,6 +230,12 @@ def _options(body: dict, limits: Limits, max_tokens: int | None, logprobs: bool,
     n = _integral(body.get("n"))
     if n is not None and (not _is_int(n) or n != 1):
         raise InvalidRequest(f"only 'n': 1 is supported; got {n!r}", "n")
+    for name in ("tools", "functions"):  # an agent client must not get an answer that ignored them
+        if body.get(name) not in (None, []):
+            raise InvalidRequest(f"'{name}' is not supported yet (no tool calls)", name)
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            raise InvalidRequest(f"'{name}' is not supported yet (no tool calls); only \"none\"", name)
     repetition = _number(body, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY)
     if repetition == 0.0:
         raise InvalidRequest(f"'repetition_penalty' must be in (0, {MAX_REPETITION_PENALTY:g}]",

@@ -141,6 +141,8 @@ def _schemas(settings: ServeSettings, slots: int) -> dict:
                 "messages": {"type": "array", "minItems": 1, "maxItems": settings.max_messages,
                              "items": _ref("Message")},
                 "max_completion_tokens": common["max_tokens"],
+                "tools": _nullable({"type": "array", "maxItems": 0, "description": "not yet: none, or empty"}),
+                "tool_choice": _nullable({"const": "none", "description": "not yet: only \"none\""}),
                 "chat_template_kwargs": _nullable({
                     "type": "object",
                     "not": {"anyOf": [{"required": [name]} for name in sorted(RESERVED_TEMPLATE_NAMES)]},
