@@ -9,6 +9,7 @@ import json
 import shutil
 from functools import partial
 
+import openai
 import pytest
 from conftest import GOLDEN
 from test_http import in_thread, sync_client, tiny_server
@@ -56,8 +57,6 @@ async def test_reasoning_apart_streamed_and_not_and_enable_thinking(thinking_lla
 
 
 def _status(client, extra: dict) -> int:
-    import openai
-
     try:
         client.chat.completions.create(model="m", messages=ASK, max_tokens=2, extra_body=extra)
     except openai.BadRequestError as exc:

@@ -81,9 +81,8 @@ class DecodeInFlight:
 def sampling_arrays(rows: list[SamplingRow], bucket: int):
     """sample's (temperature, top_p, top_k, min_p, keys) for `rows`, their penalties
     (logit_history.penalize's) and their bitmasks of allowed tokens (None when no row is
-    constrained; a row that is not, all ones),
-    then padding rows up to `bucket` (sampled greedily, dropped: one compiled sampler per
-    batch bucket, not per number of rows)."""
+    constrained; a row that is not, all ones), then padding rows up to `bucket` (sampled
+    greedily, dropped: one compiled sampler per batch bucket, not per number of rows)."""
     padded = rows + [FILLER_ROW] * (bucket - len(rows))
 
     def column(name: str, dtype) -> np.ndarray:

@@ -121,14 +121,13 @@ class Generation:
         if isinstance(finish, ApiError):
             return finish
         text, asked = "".join(turn.texts) + finish.text_tail, turn.options.logprobs
-        head = (turn.ident, turn.created, turn.model, text, finish)
         if turn.chat:
             content = [shape.chat_logprob(e, turn.k) for e in turn.logprobs] if asked else None
             thought, text = reasoning.split(text, turn.reasoning_opened) if turn.reasoning else ("", text)
             return shape.chat_completion(turn.ident, turn.created, turn.model, text, finish, content, turn.topk(),
                                          thought)
         logprobs = shape.completion_logprobs(turn.logprobs, turn.k) if asked else None
-        return shape.text_completion(*head, logprobs, turn.topk())
+        return shape.text_completion(turn.ident, turn.created, turn.model, text, finish, logprobs, turn.topk())
 
     async def collect(self, turn: Turn, prompt: str) -> FinishEvent | ApiError:
         """Run the turn to its end: its FinishEvent (the text is in turn.texts), or an
