@@ -203,18 +203,15 @@ def bare_step_ms(model, context: int, repeats: int = 30) -> float:
     from motet.model.forward import empty_carry, greedy_sampling
     from motet.model.generate import dispatch_decode, read_decode
     from motet.model.kv import KVGeometry, init_kv
-    from motet.model.logit_history import empty_history
 
     geo = KVGeometry(n_slots=STREAMS, max_context=context, chunk=256)
     kv = init_kv(model.config, geo, model.kv_dtype)
-    greedy = greedy_sampling(1, model.config.vocab_size)
-    carry, history = empty_carry(geo.scratch_slot + 1), empty_history(geo.scratch_slot + 1, model.config.vocab_size)
+    greedy, carry = greedy_sampling(1), empty_carry(geo.scratch_slot + 1)
     token, best = 1, float("inf")
     for attempt in range(4):  # the first compiles
         started = time.perf_counter()
         for i in range(repeats):
-            packed, kv, carry, history = dispatch_decode(model, kv, geo, [token], [0], [64 + i], greedy, False,
-                                                         carry, history)
+            packed, kv, carry, _, _ = dispatch_decode(model, kv, geo, [token], [0], [64 + i], greedy, False, carry)
             token = int(read_decode(model, packed, 1)[0][0][0])
         if attempt:
             best = min(best, (time.perf_counter() - started) / repeats)

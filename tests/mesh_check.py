@@ -164,7 +164,9 @@ async def _engine_turns(model_path: Path, mesh) -> dict:
         first: dict[int, tuple] = {}
 
         async def one(i):
-            got = await engine.complete(prompts[i], max_tokens=5, slot=i)
+            # the second stream penalized: its batches sample again, on the mesh too
+            extra = {"frequency_penalty": 1.5, "logit_bias": {prompt[0]: 2.0}} if i == 1 else {}
+            got = await engine.complete(prompts[i], max_tokens=5, slot=i, **extra)
             first[i] = got.token_ids
 
         async with trio.open_nursery() as nursery:  # three streams batched together

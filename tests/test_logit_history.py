@@ -7,8 +7,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from motet.model.logit_history import begin, count_fed, empty_history, penalize, sample_with_history, start_rows
-from motet.model.sampling import open_mask, request_key
+from motet.model.logit_history import (
+    begin,
+    count_fed,
+    empty_history,
+    penalize,
+    resample,
+    sample_with_history,
+    start_rows,
+)
+from motet.model.sampling import CARRY_WIDTH, SAMPLED_WIDTH, open_mask, request_key
 
 VOCAB = 6
 SLOTS = 3
@@ -122,3 +130,25 @@ def test_a_frequency_penalty_ends_a_greedy_loop():
         fed = int(token[0])
         picked.append(fed)
     assert picked[0] == 0 and len(set(picked)) > 1
+
+
+def test_resample_redraws_a_steps_rows_and_keeps_its_routing():
+    """A decode step samples plainly; resample draws its penalized row again from the same
+    logits and key, writes the pick over the step's sampled columns and into the slot's
+    carry, and counts what the row fed, while the expert columns stay as they were."""
+    history = history_with(1, bias=((4, 50.0),))
+    logits = np.stack([LOGITS, LOGITS])
+    key = np.asarray(request_key(3))
+    fed = np.asarray([[2, *key.view(np.int32)], [0, 0, 0]], np.int32)
+    routing = np.asarray([[7, 8], [9, 10]], np.int32)
+    packed = np.concatenate([np.zeros((2, SAMPLED_WIDTH), np.int32), routing], axis=1)
+    carry = np.zeros((SLOTS, CARRY_WIDTH), np.int32)
+    cuts = (np.zeros(2, np.float32), np.ones(2, np.float32), np.zeros(2, np.int32), np.zeros(2, np.float32))
+    packed, carry, history = resample(logits, fed, packed, carry, history, np.asarray([1, 2], np.int32), cuts,
+                                      np.bool_(False), penalties((0.0, 0.0, 1.0), None), open_mask(2, VOCAB))
+    packed, carry = np.asarray(packed), np.asarray(carry)
+    assert packed[:, 0].tolist() == [4, 0]  # the bias wins row 0; row 1 keeps its argmax
+    assert (packed[:, SAMPLED_WIDTH:] == routing).all()
+    assert carry[1, 0] == 4 and carry[2, 0] == 0
+    assert np.asarray(history.counts)[1, 2] == 1
+    assert (packed[0, 2:4] == carry[1, 2:4]).all()  # the key after the draw, as the step would leave it

@@ -6,6 +6,7 @@ the engine's against the plain one-step-at-a-time generator."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -58,6 +59,49 @@ def test_chained_steps_draw_what_host_fed_steps_draw(tiny_model, arch):
         chained.append(runner.dispatch([token], [1], [len(prompt) + i], [row(first[1].next_key)], [link]))
     chained = [runner.collect(step)[0] for step in chained]
     assert [as_tuple(s) for s in chained] == [as_tuple(s) for s in host]
+
+
+def test_a_deferred_step_samples_with_the_mask_of_the_token_before(tiny_model):
+    """A row whose mask depends on the token before it (three tokens it picks from), with
+    a frequency penalty: fed from the host step by step in slot 0; in slot 1, each step
+    dispatched chained before the one before is read, its sampling deferred, and
+    finished once that token gives its mask. Both draw the same."""
+    model = tiny_model("qwen3_moe")
+    runner = ModelRunner(model, TINY_GEO)
+    assert runner.defers
+    vocab = model.config.vocab_size
+
+    def choices(token: int) -> list[int]:
+        return [(token * 7 + i) % vocab for i in (3, 4, 5)]
+
+    def masked(key, token: int) -> SamplingRow:
+        allowed = np.zeros((vocab + 31) // 32, np.uint32)
+        for choice in choices(token):
+            allowed[choice // 32] |= np.uint32(1 << (choice % 32))
+        return replace(row(key), frequency=3.0, uses_history=True, allowed=allowed.view(np.int32))
+
+    prompt = prompt_of(model, 9, 2)
+    key = runner.new_key(5)
+    first = [runner.prefill(slot, prompt, 0, row(key), (tuple(prompt), ())) for slot in (0, 1)]
+
+    host, sampled = [], first[0]
+    for i in range(6):
+        before = sampled.token
+        sampled = runner.decode([before], [0], [len(prompt) + i], [masked(sampled.next_key, before)])[0]
+        assert sampled.token in choices(before)
+        host.append(sampled)
+
+    start = masked(first[1].next_key, first[1].token)
+    step = runner.finish(runner.dispatch([first[1].token], [1], [len(prompt)], [start], defer=True), [start])
+    piped = []
+    for i in range(1, 6):
+        ahead = runner.dispatch([0], [1], [len(prompt) + i], [row(key)], [True], defer=True)
+        with pytest.raises(ValueError, match="after ModelRunner.finish"):
+            runner.collect(ahead)
+        piped.append(runner.collect(step)[0])
+        step = runner.finish(ahead, [masked(piped[-1].next_key, piped[-1].token)])
+    piped.append(runner.collect(step)[0])
+    assert [as_tuple(s) for s in piped] == [as_tuple(s) for s in host]
 
 
 def test_a_step_mixes_chained_rows_rows_from_the_host_and_rows_left_out(tiny_model):

@@ -84,12 +84,14 @@ class Active:
         return Telemetry(self.rid, self.prefill_s, self.decode_s, self.sample_s, counts,
                          self.expert_wait_s, self.expert_disk_s)
 
-    def sampling_row(self) -> SamplingRow:
+    def sampling_row(self, masked: bool = True) -> SamplingRow:
+        """The row the request samples its next token with; masked=False: without its
+        grammar's bitmask (for a step whose sampling waits for it: runner.finish)."""
         r = self.request
         constraint = self.submit.constraint
         return SamplingRow(r.temperature, r.top_p, r.top_k, r.min_p, self.key, r.top_logprobs > 0,
                            r.presence_penalty, r.frequency_penalty, r.repetition_penalty, r.uses_history,
-                           constraint.allowed() if constraint is not None and self.grammar_on else None)
+                           constraint.allowed() if masked and constraint is not None and self.grammar_on else None)
 
     @property
     def grammar_on(self) -> bool:

@@ -8,19 +8,16 @@ import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from functools import partial
 
 import jax
 import numpy as np
 
-from ..model.attention import ATTN_BLOCK
-from ..model.compilation import compile_workers, compiling_ahead
 from ..model.expert_pool import DEVICE, ExpertPool, ExpertReader, Placement
 from ..model.expert_source import ArrayExpertReader
-from ..model.forward import empty_carry, lower_decode, lower_decode_sampled, lower_prefill
-from ..model.generate import dispatch_decode, model_kv_sharding, prefill_slot, read_decode
+from ..model.forward import empty_carry
+from ..model.generate import dispatch_decode, model_kv_sharding, padded_rows, prefill_slot, read_decode
 from ..model.kv import KVGeometry, batch_bucket, init_kv, read_slot_layer, write_slot_layer
-from ..model.logit_history import begin, empty_history, sample_with_history, start_rows
+from ..model.logit_history import begin, empty_history, resample, sample_with_history, start_rows
 from ..model.model import Model
 from ..model.sampling import open_mask, request_key, sample
 from ..model.sharding import TP, MeshSpec, mesh_axis, mesh_of, model_mesh, place_weights
@@ -28,10 +25,8 @@ from ..model.tiered import EXPERT_KEYS, shared_weight_bytes, shared_weights
 from ..model.tiered_model import TieredModel
 from ..protocol.mirror import Op, encode
 from ..runtime.api import ExpertTiers
-from . import step_rows
 from .expert_policy import ExpertPlan
-from .step_rows import FILLER_ROW, WARM_ROW, DecodeInFlight, Sampled, SamplingRow, sampled_rows, sampling_arrays
-from .warmup import DECODE, EXPERT_MOVE, PREFILL, SLOT_WIDTH, WarmShape, WarmupPlan
+from .step_rows import DecodeInFlight, Sampled, SamplingRow, sampled_rows, sampling_arrays
 
 # Loads one placement may start per layer between two steps: re-pinning catches up over
 # a few steps instead of stalling one.
@@ -144,7 +139,7 @@ class ModelRunner:
         logits, experts = self._extend(slot, ids, offset)
         # the prompt's routing counts toward the first token: [layers, k·len(ids)]
         layers, tokens, k = experts.shape
-        return self._sample(logits[None], [row], experts.reshape(1, layers, tokens * k), [slot])[0]
+        return self.sample_logits(logits[None], [row], experts.reshape(1, layers, tokens * k), [slot])[0]
 
     def extend(self, slot: int, ids: list[int], offset: int):
         """Run a chunk into the cache: (logits after its last token, routing [layers, t, k])."""
@@ -179,33 +174,63 @@ class ModelRunner:
         return self.collect(self.dispatch(tokens, slots, positions, rows, chained))
 
     def dispatch(self, tokens: list[int], slots: list[int], positions: list[int],
-                 rows: list[SamplingRow], chained: Sequence[bool] = ()) -> DecodeInFlight:
+                 rows: list[SamplingRow], chained: Sequence[bool] = (), defer: bool = False) -> DecodeInFlight:
         """Start one batched step: each row feeds its token at its position in its slot,
         then samples its next token (in the step's own compiled call, but for tiered
         experts). A row with chained[i] set goes on from the last step that fed its slot:
         it feeds the token that step sampled, with the key it left (tokens[i] and
-        rows[i].key are not read), whether or not that step has been collected."""
+        rows[i].key are not read), whether or not that step has been collected. Rows
+        with penalties or a mask are sampled again (finish) right away, or with defer
+        (`defers`) when the caller finishes the step with its rows' newer masks."""
         self._mirror(Op.DECODE, tokens, slots, positions, rows, list(chained))
         if self.tiered is not None:
             if any(chained):
                 raise ValueError("tiered decode steps do not chain (ModelRunner.chains)")
             logits, self.kv, experts = self.tiered.decode_padded(self.kv, self.geo, tokens, slots, positions)
-            sampled = self._sample(logits, rows, experts.transpose(1, 0, 2), slots, tokens)
+            sampled = self.sample_logits(logits, rows, experts.transpose(1, 0, 2), slots, tokens)
             return DecodeInFlight(tuple(rows), results=tuple(sampled))
-        sampling = self._sampling(rows, batch_bucket(len(rows)))
-        packed, self.kv, self.carry, self.history = dispatch_decode(
-            self.model, self.kv, self.geo, tokens, slots, positions, sampling, any(r.want_top for r in rows),
-            self.carry, self.history, chained)
+        if defer and not self.defers:
+            raise ValueError("a group's leader does not defer a step's sampling (ModelRunner.defers)")
+        *cuts, keys, _, _ = sampling_arrays(rows, batch_bucket(len(rows)))
+        packed, self.kv, self.carry, logits, fed = dispatch_decode(
+            self.model, self.kv, self.geo, tokens, slots, positions, (*cuts, keys), any(r.want_top for r in rows),
+            self.carry, chained)
+        padded_slots = padded_rows(self.geo, tokens, slots, positions)[1]
+        step = DecodeInFlight(tuple(rows), packed, deferred=(logits, fed, padded_slots))
+        return step if defer else self.finish(step, rows)
+
+    @property
+    def defers(self) -> bool:
+        """Whether dispatch may leave a step's second sampling to finish: not where the
+        followers of a group repeat each call as it comes (they would sample at once)."""
+        return self.chains and self.mirror is None
+
+    def finish(self, step: DecodeInFlight, rows: Sequence[SamplingRow]) -> DecodeInFlight:
+        """A dispatched step whose rows that read their history or a grammar's mask are
+        sampled again from its logits (logit_history.resample; the step sampled them
+        plainly). rows: the step's own, or for a deferred step the same requests' rows
+        as they are now (a grammar's mask after the token the step before sampled)."""
+        if not step.deferred:
+            return step
+        logits, fed, slots = step.deferred
+        packed = step.packed
+        if any(r.uses_history or r.allowed is not None for r in rows):
+            *cuts, _, penalties, allowed = self._sampling(list(rows), len(slots))
+            packed, self.carry, self.history = resample(logits, fed, packed, self.carry, self.history, slots,
+                                                        tuple(cuts), np.bool_(any(r.want_top for r in rows)),
+                                                        penalties, allowed, mesh=mesh_of(self.model.weights))
         return DecodeInFlight(tuple(rows), packed)
 
     def collect(self, step: DecodeInFlight) -> list[Sampled]:
         """A dispatched step's results, one per row (waiting for the device)."""
+        if step.deferred:
+            raise ValueError("a deferred step is read after ModelRunner.finish")
         if step.packed is None:
             return list(step.results)
         drawn, experts = read_decode(self.model, step.packed, len(step.rows))
         return sampled_rows(list(step.rows), drawn, experts)
 
-    def _sample(self, logits, rows: list[SamplingRow], experts: np.ndarray, slots: Sequence[int],
+    def sample_logits(self, logits, rows: list[SamplingRow], experts: np.ndarray, slots: Sequence[int],
                 fed: Sequence[int] = ()) -> list[Sampled]:
         """logits [bucket, vocab]: the rows, then padding rows. experts: as sampled_rows.
         slots: the rows' own; fed: the tokens a decode step fed them (none after a prefill),
@@ -234,80 +259,6 @@ class ModelRunner:
                 self._open_masks[bucket] = jax.device_put(open_mask(bucket, self.model.config.vocab_size))
             allowed = self._open_masks[bucket]
         return (*head, allowed)
-
-    # ---- warm-up: every shape compiled before the engine is ready ------------------------
-
-    def warm_up(self, plan: WarmupPlan, progress: Callable[[str, int, int], None]) -> None:
-        """Compile every shape of `plan` and run each once on the scratch slot (whose KV
-        only ever holds padding rows), so no request waits on a compiler or on a first
-        run. The big steps are traced one by one and compiled in threads, each shape
-        run as soon as its steps are compiled (not on a group's leader: there every
-        call is mirrored, and the followers compile as they repeat them).
-        progress(what, done, total) after each compile and each run."""
-        ahead = [] if self.mirror is not None else list(self._lowerings(plan))
-        total, done = len(ahead) + len(plan.shapes), 0
-
-        def step(what: str) -> None:
-            nonlocal done
-            done += 1
-            progress(what, done, total)
-
-        with compiling_ahead(ahead, workers=compile_workers(), done=lambda shape: step(f"compiled {shape}")) as wait:
-            for shape in plan.shapes:
-                wait(shape)
-                self._warm_shape(shape)
-                step(f"ran {shape}")
-        if any(shape.kind == PREFILL for shape in plan.shapes):
-            # what a request with a penalty, a bias or a grammar adds: its slot's history
-            # started, its first token sampled with it
-            row = step_rows.warm_constrained_row(self.model.config.vocab_size)
-            self.prefill(self.geo.scratch_slot, [0], 0, row, ((0,), ((0, 1.0),)))
-        self.new_key(0)
-        self.wait_ready()
-        self.sample_seconds = 0.0
-
-    def _lowerings(self, plan: WarmupPlan):
-        """(shape, lower) of the big steps of the plan's shapes: the model's prefill and
-        decode (tiered: those over the pools)."""
-        k, v = self.kv
-        weights = self.model.weights if self.tiered is None else self.tiered.pooled_weights()
-        impl = "auto" if self.tiered is None else self.tiered.impl
-        for shape in plan.shapes:
-            decode = lower_decode if self.tiered is not None else lower_decode_sampled
-            lower = {PREFILL: lower_prefill, DECODE: decode}.get(shape.kind)
-            if lower is not None:
-                yield shape, partial(lower, weights, k, v, shape.size, cfg=self.model.config, moe_impl=impl)
-
-    def _warm_shape(self, shape: WarmShape) -> None:
-        """Run one shape on the scratch slot, past a block of history where the context
-        has room, so the attention's history loop runs too."""
-        geo, scratch, n = self.geo, self.geo.scratch_slot, shape.size
-        if shape.kind == PREFILL:
-            tokens = min(n, geo.max_context - 1)  # a prompt of this bucket's size that fits
-            offset = max(0, min(ATTN_BLOCK, geo.max_context - 1 - tokens))
-            if self.tiered is None:
-                self.prefill(scratch, [0] * tokens, offset, FILLER_ROW)
-            else:
-                logits, self.kv = self.tiered.warm_prefill(self.kv, geo, n, offset)
-                self._sample(logits[None], [FILLER_ROW], np.zeros((1, 0, 0), np.int32), [scratch])
-        elif shape.kind == DECODE:
-            # sampled, with top-p, top candidates and penalties: every branch of the sampler runs
-            position = min(ATTN_BLOCK, geo.max_context - 1)
-            constrained = step_rows.warm_constrained_row(self.model.config.vocab_size)
-            if self.tiered is None:
-                self.decode([0] * n, [scratch] * n, [position] * n, [constrained] * n)
-            else:
-                logits, self.kv = self.tiered.warm_decode(self.kv, geo, n, position)
-                for row in (WARM_ROW, constrained):  # tiered rows sample in calls of their own
-                    self._sample(logits, [row] * n, np.zeros((n, 0, 0), np.int32), [scratch] * n, [0] * n)
-        elif shape.kind == SLOT_WIDTH:
-            pairs = self.read_layers(scratch, 0, 1, n)
-            self.write_layers(scratch, 0, pairs)
-        elif shape.kind == EXPERT_MOVE:
-            assert self.pool is not None  # a plan has expert moves only for a tiered pool
-            self.pool.warm_move(n)
-        else:
-            raise ValueError(f"no warm-up for {shape}")
 
     # ---- one slot's KV, layer by layer (sessions and handovers) ---------------------------
 

@@ -40,7 +40,7 @@ from .runner import ExpertStep, ModelRunner
 from .scheduler_messages import Accepted, Cancel, Drain, StopNow, Submit, Subscribe, refuse_queued
 from .slot_io import FreeSlot, HoldSlot, ReadLayers, WriteLayers
 from .slot_transfers import SlotTransfers, Transfer
-from .step_rows import DecodeInFlight, Sampled, next_step_rows
+from .step_rows import FILLER_ROW, DecodeInFlight, Sampled, next_step_rows
 
 log = logging.getLogger(__name__)
 
@@ -229,23 +229,26 @@ class Scheduler:
 
     async def _decode_step(self):
         """Read one decode step back and hand out its tokens. When the runner chains
-        steps, the step after it is dispatched first, its continuing rows fed on the
-        device with the tokens this one sampled: the device computes step t + 1 while
-        the host reads, detokenizes and sends step t. A row that turns out to have ended
-        at step t has computed one token more, which is dropped (its KV past the slot's
-        history is never read)."""
+        steps, the step after it is dispatched first, fed on the device with the tokens
+        this one sampled: the device computes step t + 1 while the host reads,
+        detokenizes and sends step t (a row that ended at step t computed one token more,
+        dropped: its KV past the slot's history is never read). Where a row has a
+        grammar, step t + 1 is sampled in the next round (runner.finish), once its masks
+        know token t."""
         current = self.ahead
         fresh = self._next_rows([]) if current is None else None
         unread = (current or fresh)[0]
-        # a constrained row's next bitmask needs the token this step samples: no step ahead
-        ahead = self.runner.chains and all(self.active[rid].submit.constraint is None for rid in self.decoding)
-        following = self._next_rows(unread) if ahead else ([], None)
+        constrained = any(self.active[rid].submit.constraint is not None for rid in self.decoding)
+        ahead = self.runner.chains and (self.runner.defers or not constrained)
+        following = self._next_rows(unread, masked=not constrained) if ahead else ([], None)
+        deferred = current is not None and current[1].deferred  # sampled with its rows as they are now
+        renewed = [a.sampling_row() if self._decoding(a) else FILLER_ROW for a in current[0]] if deferred else []
         started, sampling = time.perf_counter(), self.runner.sample_seconds
 
         def work():
-            step = current or (fresh[0], self.runner.dispatch(*fresh[1]))
-            after = (following[0], self.runner.dispatch(*following[1])) if following[0] else None
-            return step[0], self.runner.collect(step[1]), after
+            step = self.runner.finish(current[1], renewed) if current else self.runner.dispatch(*fresh[1])
+            after = (following[0], self.runner.dispatch(*following[1], defer=constrained)) if following[0] else None
+            return unread, self.runner.collect(step), after
 
         (acts, results, self.ahead), step = await self._on_device(work)
         sample_s = self.runner.sample_seconds - sampling
@@ -264,8 +267,8 @@ class Scheduler:
         if self.ahead is not None and not any(self._decoding(a) for a in self.ahead[0]):
             self.ahead = None
 
-    def _next_rows(self, unread: list[Active]):
-        return next_step_rows(unread, [self.active[rid] for rid in self.decoding], self._decoding, self.max_context)
+    def _next_rows(self, unread: list[Active], masked: bool = True):
+        return next_step_rows(unread, [self.active[r] for r in self.decoding], self._decoding, self.max_context, masked)
 
     def _decoding(self, act: Active) -> bool:
         return self.active.get(act.rid) is act and act.rid in self.decoding
@@ -329,8 +332,7 @@ class Scheduler:
         return False
 
     def _send_final_cancel(self, sub: Submit, rid: int):
-        stats = TurnStats(rid, -1, "cancelled", len(sub.prompt), 0, 0, 0.0, 0.0, 0.0)
-        tell(sub, FinishEvent(stats))
+        tell(sub, FinishEvent(TurnStats(rid, -1, "cancelled", len(sub.prompt), 0, 0, 0.0, 0.0, 0.0)))
 
     async def _finish(self, act: Active, reason: FinishReason, stop_matched: bool = False):
         rid = act.rid
@@ -384,10 +386,8 @@ class Scheduler:
         if self.experts is not None and counts.size:
             self.experts.observe_nowait(counts)
         if self.telemetry_subscribers:
-            self._publish(StepRouting(
-                tuple(tuple(int(c) for c in row) for row in counts), tokens,
-                step.lookups, step.hits, step.moves, step.tiers,
-            ))
+            self._publish(StepRouting(tuple(tuple(int(c) for c in row) for row in counts), tokens,
+                                      step.lookups, step.hits, step.moves, step.tiers))
 
     def _publish(self, event: Telemetry | StepRouting):
         for ch in list(self.telemetry_subscribers):

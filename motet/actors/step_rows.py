@@ -71,11 +71,14 @@ class Sampled:
 @dataclass(frozen=True)
 class DecodeInFlight:
     """A decode step dispatched and not yet read back: its rows, and its output on the
-    device (tiered: its results, sampled already)."""
+    device (tiered: its results, sampled already). deferred: a step whose rows are yet
+    to be sampled again with their history and masks (ModelRunner.finish): its logits,
+    what its rows fed and its padded slots."""
 
     rows: tuple[SamplingRow, ...]
     packed: object = None
     results: tuple[Sampled, ...] = ()
+    deferred: tuple = ()
 
 
 def sampling_arrays(rows: list[SamplingRow], bucket: int):
@@ -128,18 +131,19 @@ class StepRow(Protocol):
     @property
     def request(self) -> GenerationRequest: ...
 
-    def sampling_row(self) -> SamplingRow: ...
+    def sampling_row(self, masked: bool = True) -> SamplingRow: ...
 
 
 Row = TypeVar("Row", bound=StepRow)
 
 
-def next_step_rows(unread: list[Row], decoding: list[Row], goes_on: Callable[[Row], bool], max_context: int):
+def next_step_rows(unread: list[Row], decoding: list[Row], goes_on: Callable[[Row], bool], max_context: int,
+                   masked: bool = True):
     """The rows of the next decode step (the scheduler's Active requests) and the runner's
     arguments for them. unread: the rows of a step dispatched and not yet read back;
     those that go on (goes_on) are chained to it (their token is on the device), unless
     they end at it for their length. Every other row of `decoding` feeds its token from
-    the host."""
+    the host. masked=False: the rows without their grammars' bitmasks (a deferred step's)."""
     rows = [a for a in unread if goes_on(a) and not ends_at_unread_step(a, max_context)]
     chained = [True] * len(rows)
     in_unread = set(map(id, unread))  # by identity: a request's fields hold arrays
@@ -149,7 +153,7 @@ def next_step_rows(unread: list[Row], decoding: list[Row], goes_on: Callable[[Ro
             chained.append(False)
     tokens = [0 if link else a.next_token for a, link in zip(rows, chained)]
     positions = [a.position + link for a, link in zip(rows, chained)]
-    args = (tokens, [a.slot for a in rows], positions, [a.sampling_row() for a in rows], chained)
+    args = (tokens, [a.slot for a in rows], positions, [a.sampling_row(masked) for a in rows], chained)
     return rows, args
 
 

@@ -4,20 +4,31 @@ and the record of how the start went.
 A request must never wait on a compiler, so the set is closed: each device call pads its
 inputs to one of a few sizes that the KV geometry (model/kv.py) and the expert pool
 (model/expert_pool.py) list, and the runner compiles and runs each of them once at start
-(ModelRunner.warm_up). The plan is plain data: `motet info` prints it without a device.
+(warm_up). The plan is plain data: `motet info` prints it without a device.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..model.compilation import CompileCount, CompileCounter, use_compile_cache
+import numpy as np
+
+from ..model.attention import ATTN_BLOCK
+from ..model.compilation import CompileCount, CompileCounter, compile_workers, compiling_ahead, use_compile_cache
 from ..model.expert_pool import move_sizes
+from ..model.forward import lower_decode, lower_decode_sampled, lower_prefill
 from ..model.kv import KVGeometry
 from ..runtime.api import StartupReport
+from .step_rows import FILLER_ROW, WARM_ROW, warm_constrained_row
+
+if TYPE_CHECKING:
+    from .runner import ModelRunner
 
 log = logging.getLogger("motet.engines.engine")
 
@@ -80,7 +91,7 @@ class StartupClock:
         self._at_ready = CompileCount()
 
     def progress(self, what: str, done: int, total: int) -> None:
-        """A line on stderr per warm-up step (ModelRunner.warm_up's progress)."""
+        """A line on stderr per warm-up step (warm_up's progress)."""
         log.info("warm-up: %s (%d of %d, %.1f s)", what, done, total, time.monotonic() - self.started)
 
     def ready(self, shapes: int) -> StartupReport:
@@ -102,3 +113,76 @@ class StartupClock:
 
     def stop(self) -> None:
         self.counter.stop()
+
+
+def warm_up(runner: ModelRunner, plan: WarmupPlan, progress: Callable[[str, int, int], None]) -> None:
+    """Compile every shape of `plan` and run each once on the scratch slot (whose KV
+    only ever holds padding rows), so no request waits on a compiler or on a first
+    run. The big steps are traced one by one and compiled in threads, each shape
+    run as soon as its steps are compiled (not on a group's leader: there every
+    call is mirrored, and the followers compile as they repeat them).
+    progress(what, done, total) after each compile and each run."""
+    ahead = [] if runner.mirror is not None else list(_lowerings(runner, plan))
+    total, done = len(ahead) + len(plan.shapes), 0
+
+    def step(what: str) -> None:
+        nonlocal done
+        done += 1
+        progress(what, done, total)
+
+    with compiling_ahead(ahead, workers=compile_workers(), done=lambda shape: step(f"compiled {shape}")) as wait:
+        for shape in plan.shapes:
+            wait(shape)
+            _warm_shape(runner, shape)
+            step(f"ran {shape}")
+    if any(shape.kind == PREFILL for shape in plan.shapes):
+        # what a request with a penalty, a bias or a grammar adds: its slot's history
+        # started, its first token sampled with it
+        row = warm_constrained_row(runner.model.config.vocab_size)
+        runner.prefill(runner.geo.scratch_slot, [0], 0, row, ((0,), ((0, 1.0),)))
+    runner.new_key(0)
+    runner.wait_ready()
+    runner.sample_seconds = 0.0
+
+def _lowerings(runner: ModelRunner, plan: WarmupPlan):
+    """(shape, lower) of the big steps of the plan's shapes: the model's prefill and
+    decode (tiered: those over the pools)."""
+    k, v = runner.kv
+    weights = runner.model.weights if runner.tiered is None else runner.tiered.pooled_weights()
+    impl = "auto" if runner.tiered is None else runner.tiered.impl
+    for shape in plan.shapes:
+        decode = lower_decode if runner.tiered is not None else lower_decode_sampled
+        lower = {PREFILL: lower_prefill, DECODE: decode}.get(shape.kind)
+        if lower is not None:
+            yield shape, partial(lower, weights, k, v, shape.size, cfg=runner.model.config, moe_impl=impl)
+
+def _warm_shape(runner: ModelRunner, shape: WarmShape) -> None:
+    """Run one shape on the scratch slot, past a block of history where the context
+    has room, so the attention's history loop runs too."""
+    geo, scratch, n = runner.geo, runner.geo.scratch_slot, shape.size
+    if shape.kind == PREFILL:
+        tokens = min(n, geo.max_context - 1)  # a prompt of this bucket's size that fits
+        offset = max(0, min(ATTN_BLOCK, geo.max_context - 1 - tokens))
+        if runner.tiered is None:
+            runner.prefill(scratch, [0] * tokens, offset, FILLER_ROW)
+        else:
+            logits, runner.kv = runner.tiered.warm_prefill(runner.kv, geo, n, offset)
+            runner.sample_logits(logits[None], [FILLER_ROW], np.zeros((1, 0, 0), np.int32), [scratch])
+    elif shape.kind == DECODE:
+        # sampled, with top-p, top candidates and penalties: every branch of the sampler runs
+        position = min(ATTN_BLOCK, geo.max_context - 1)
+        constrained = warm_constrained_row(runner.model.config.vocab_size)
+        if runner.tiered is None:
+            runner.decode([0] * n, [scratch] * n, [position] * n, [constrained] * n)
+        else:
+            logits, runner.kv = runner.tiered.warm_decode(runner.kv, geo, n, position)
+            for row in (WARM_ROW, constrained):  # tiered rows sample in calls of their own
+                runner.sample_logits(logits, [row] * n, np.zeros((n, 0, 0), np.int32), [scratch] * n, [0] * n)
+    elif shape.kind == SLOT_WIDTH:
+        pairs = runner.read_layers(scratch, 0, 1, n)
+        runner.write_layers(scratch, 0, pairs)
+    elif shape.kind == EXPERT_MOVE:
+        assert runner.pool is not None  # a plan has expert moves only for a tiered pool
+        runner.pool.warm_move(n)
+    else:
+        raise ValueError(f"no warm-up for {shape}")

@@ -25,7 +25,7 @@ from ..actors.expert_policy import ExpertPlan, ExpertPolicy
 from ..actors.kv_slot import KVSlot
 from ..actors.runner import ModelRunner
 from ..actors.scheduler import Cancel, Drain, Scheduler, StopNow, Submit, Subscribe
-from ..actors.warmup import StartupClock, WarmupPlan
+from ..actors.warmup import StartupClock, WarmupPlan, warm_up
 from ..model.compilation import current_compile_cache
 from ..model.kv import KV_DTYPE_CHOICES, KVGeometry
 from ..model.model import Model
@@ -148,7 +148,7 @@ class Engine(Service, Collected):
         clock.loaded = time.monotonic()
         plan = self.warmup_plan(geo)
         if self.warm_up:
-            await trio.to_thread.run_sync(runner.warm_up, plan, clock.progress)
+            await trio.to_thread.run_sync(warm_up, runner, plan, clock.progress)
         clock.warmed = time.monotonic()
         if policy is not None:
             self._expert_cache = ExpertCache(policy, tiered=expert_plan.mode == "tiered",

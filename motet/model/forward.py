@@ -27,11 +27,10 @@ from jax.sharding import PartitionSpec as P
 from .attention import attend_chunk, attend_rows
 from .config import ModelConfig
 from .heads import qkv_heads
-from .logit_history import count_fed, empty_history, penalize
 from .moe import dense_ffn, moe_ffn
 from .norm import add_rms_norm, rms_norm
 from .quant import QTensor, matmul, take_rows
-from .sampling import open_mask, pack_sampled, sample
+from .sampling import CARRY_WIDTH, pack_sampled, sample
 from .sharding import KV_SPEC, TP, axis_size, mesh_of, weight_specs
 
 F32 = jnp.float32
@@ -206,49 +205,46 @@ def _decode(weights, k_cache, v_cache, tokens, slots, positions, *, cfg, moe_imp
                     (k_cache, v_cache), (tokens, slots, positions), (split, split), sum(cfg.moe_layers))
 
 
-def decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, sampling, want_top, carry, chained,
-                   history, *, cfg, moe_impl="auto"):
+def decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, sampling, want_top, carry, chained, *,
+                   cfg, moe_impl="auto"):
     """decode, and each row's next token drawn from its logits by sampling.sample in the
     same compiled call: one dispatch and one read-back a step instead of several (0.5 ms
     of a 5 ms MoE step, measured). sampling: sample's (temperature, top_p, top_k, min_p,
-    keys) for every row, then logit_history.penalize's penalties, then sample's
-    `allowed` bitmask; want_top: a bool array.
+    keys) for every row; want_top: a bool array. The step samples plainly: penalties
+    and grammar masks are a second call over its logits (logit_history.resample), only
+    for the batches that carry them, since any conditional over the logits here slowed
+    every 16-row step by a tenth (docs/performance.md).
 
     carry [slots + 1, 4] int32: per KV slot, what the last step that fed it sampled
     (pack_sampled's first four columns: token, logprob, key). A row with chained[i]
     set feeds the token and uses the key its slot's carry holds, in place of tokens[i]
     and keys[i]: a step can be dispatched before the host has read the one before it.
 
-    history: the slots' LogitHistory (donated), which counts each row's fed token before
-    the rows that use it are penalized.
-
     Returns (new K rows per layer, new V rows per layer, [b, SAMPLED_WIDTH + MoE layers
     · k] int32: sampling.pack_sampled's columns, then the expert ids of each MoE layer
-    in turn, the carry with the rows' slots updated, the history)."""
+    in turn, the carry with the rows' slots updated, the logits [b, vocab], and what
+    each row fed [b, 3] int32: its token and its key's two words (resample's `fed`))."""
     return _decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, sampling, want_top, carry,
-                           chained, history, cfg=cfg, moe_impl=moe_impl, mesh=mesh_of(weights))
+                           chained, cfg=cfg, moe_impl=moe_impl, mesh=mesh_of(weights))
 
 
-CARRY_WIDTH = 4
 
-
-@partial(jax.jit, static_argnames=("cfg", "moe_impl", "mesh"), donate_argnames=("history",))
-def _decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, sampling, want_top, carry, chained,
-                    history, *, cfg, moe_impl, mesh):
-    temperature, top_p, top_k, min_p, keys, penalties, allowed = sampling
+@partial(jax.jit, static_argnames=("cfg", "moe_impl", "mesh"))
+def _decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, sampling, want_top, carry, chained, *,
+                    cfg, moe_impl, mesh):
+    temperature, top_p, top_k, min_p, keys = sampling
     held = carry[slots]
     tokens = jnp.where(chained, held[:, 0], tokens)
     keys = jnp.where(chained[:, None], jax.lax.bitcast_convert_type(held[:, 2:4], jnp.uint32), keys)
     logits, new_k, new_v, routing = _decode(weights, k_cache, v_cache, tokens, slots, positions, cfg=cfg,
                                             moe_impl=moe_impl, mesh=mesh)
-    history = count_fed(history, slots, tokens)
-    scores = penalize(logits, history, slots, penalties)
-    drawn = pack_sampled(sample(logits, temperature, top_p, top_k, min_p, keys, want_top, scores, allowed))
+    drawn = pack_sampled(sample(logits, temperature, top_p, top_k, min_p, keys, want_top))
     carry = carry.at[slots].set(drawn[:, :CARRY_WIDTH])
     if mesh is not None:  # as empty_carry placed it: one signature for every step
-        carry, history = jax.lax.with_sharding_constraint((carry, history), NamedSharding(mesh, P()))
+        carry = jax.lax.with_sharding_constraint(carry, NamedSharding(mesh, P()))
     packed = jnp.concatenate([drawn] + [ids.astype(jnp.int32) for ids in routing], axis=1)
-    return new_k, new_v, packed, carry, history
+    fed = jnp.concatenate([tokens[:, None], jax.lax.bitcast_convert_type(keys, jnp.int32)], axis=1)
+    return new_k, new_v, packed, carry, logits, fed
 
 
 def empty_carry(slots: int, mesh: Mesh | None = None) -> jax.Array:
@@ -260,13 +256,10 @@ def empty_carry(slots: int, mesh: Mesh | None = None) -> jax.Array:
     return carry if mesh is None else jax.device_put(carry, NamedSharding(mesh, P()))
 
 
-def greedy_sampling(batch: int, vocab: int):
-    """decode_sampled's sampling for `batch` greedy rows with no penalties and no
-    constraint, host arrays."""
+def greedy_sampling(batch: int):
+    """decode_sampled's sampling for `batch` greedy rows, host arrays."""
     zeros = np.zeros(batch, np.float32)
-    penalties = (zeros, zeros, np.ones(batch, np.float32), np.zeros(batch, np.bool_))
-    return (zeros, np.ones(batch, np.float32), np.zeros(batch, np.int32), zeros, np.zeros((batch, 2), np.uint32),
-            penalties, open_mask(batch, vocab))
+    return zeros, np.ones(batch, np.float32), np.zeros(batch, np.int32), zeros, np.zeros((batch, 2), np.uint32)
 
 
 def lower_decode_sampled(weights, k_cache, v_cache, batch: int, *, cfg, moe_impl="auto"):
@@ -274,11 +267,9 @@ def lower_decode_sampled(weights, k_cache, v_cache, batch: int, *, cfg, moe_impl
     lower_prefill)."""
     rows = jax.device_put(np.zeros(batch, np.int32))
     slots, mesh = k_cache[0].shape[0], mesh_of(weights)
-    return _decode_sampled.trace(weights, k_cache, v_cache, rows, rows, rows, greedy_sampling(batch, cfg.vocab_size),
-                                 np.bool_(False),
-                                 empty_carry(slots, mesh), np.zeros(batch, np.bool_),
-                                 empty_history(slots, cfg.vocab_size, mesh), cfg=cfg, moe_impl=moe_impl,
-                                 mesh=mesh).lower()
+    return _decode_sampled.trace(weights, k_cache, v_cache, rows, rows, rows, greedy_sampling(batch),
+                                 np.bool_(False), empty_carry(slots, mesh), np.zeros(batch, np.bool_), cfg=cfg,
+                                 moe_impl=moe_impl, mesh=mesh).lower()
 
 
 def lower_decode(weights, k_cache, v_cache, batch: int, *, cfg, moe_impl="auto"):

@@ -101,23 +101,23 @@ def decode_padded(model: Model, kv, geo: KVGeometry, tokens: Sequence[int], slot
 
 
 def dispatch_decode(model: Model, kv, geo: KVGeometry, tokens: Sequence[int], slots: Sequence[int],
-                    positions: Sequence[int], sampling, want_top: bool, carry, history,
-                    chained: Sequence[bool] = (), moe_impl: str = "auto"):
+                    positions: Sequence[int], sampling, want_top: bool, carry, chained: Sequence[bool] = (),
+                    moe_impl: str = "auto"):
     """decode_padded and sampling.sample in one compiled call, dispatched and not waited
     for. sampling: forward.decode_sampled's, host arrays over the padded batch; carry,
-    history, chained: as forward.decode_sampled (chained: per real row, none set when
-    empty). Returns (the step's packed output on the device, for read_decode; the
-    updated kv; the updated carry; the updated history)."""
+    chained: as forward.decode_sampled (chained: per real row, none set when empty).
+    Returns (the step's packed output on the device, for read_decode; the updated kv;
+    the updated carry; the logits and what each row fed, for logit_history.resample)."""
     # host arrays go to the calls as they are: jax.device_put takes 70 µs an array here,
     # the call itself 10 µs more
     tok, slot, pos = padded_rows(geo, tokens, slots, positions)
     link = np.zeros(len(tok), np.bool_)
     link[: len(chained)] = chained
     k, v = kv
-    new_k, new_v, packed, carry, history = decode_sampled(model.weights, k, v, tok, slot, pos, sampling,
-                                                          np.bool_(want_top), carry, link, history,
-                                                          cfg=model.config, moe_impl=moe_impl)
-    return packed, write_rows(k, v, new_k, new_v, slot, pos), carry, history
+    new_k, new_v, packed, carry, logits, fed = decode_sampled(model.weights, k, v, tok, slot, pos, sampling,
+                                                              np.bool_(want_top), carry, link, cfg=model.config,
+                                                              moe_impl=moe_impl)
+    return packed, write_rows(k, v, new_k, new_v, slot, pos), carry, logits, fed
 
 
 def read_decode(model: Model, packed, rows: int):

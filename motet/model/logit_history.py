@@ -4,9 +4,11 @@ presence, frequency and repetition penalties and logit_bias (vLLM's meanings).
 Per KV slot (the scratch one included), three rows over the vocabulary: how often each
 token was fed back as the answer (`counts`), which the prompt holds (`seen`), and the
 request's logit_bias (`bias`). A request that uses them resets its slot's rows when its
-prompt is read (`begin`); every decode step counts the tokens it feeds (`count_fed`, a
+prompt is read (`begin`); the decode steps count the tokens they feed (`count_fed`, a
 scatter of one value a row), so a step chained on the device counts a token the host
-has not read yet. `penalize` runs only when some row of a batch asks for it.
+has not read yet: the runner calls `resample` after every decode step of a batch that
+holds such a row, and such a row is in every step until it ends. `penalize` runs only
+when some row of a batch asks for it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .sampling import sample
+from .sampling import CARRY_WIDTH, SAMPLED_WIDTH, pack_sampled, sample
 
 
 class LogitHistory(NamedTuple):
@@ -93,3 +95,23 @@ def sample_with_history(logits, cuts, want_top, history: LogitHistory, slots, fe
     (the history, sample's outputs)."""
     history = count_fed(history, slots, fed)
     return history, sample(logits, *cuts, want_top, penalize(logits, history, slots, penalties), allowed)
+
+
+@partial(jax.jit, static_argnames="mesh", donate_argnames=("packed", "carry", "history"))
+def resample(logits, fed, packed, carry, history: LogitHistory, slots, cuts, want_top, penalties, allowed, *,
+             mesh=None):
+    """A decode step's rows sampled again with their history and masks: the step
+    (forward.decode_sampled) samples plainly, and this call, dispatched right after it
+    for a batch that holds a penalized or constrained row, counts what each row fed
+    (`fed` [b, 3] int32: token, key words, as the step returns it) and draws from the
+    step's logits with the same keys. cuts: sample's (temperature, top_p, top_k, min_p)
+    without the keys. Returns (`packed` with sample's columns replaced, the carry with
+    the rows' slots updated, the history)."""
+    keys = jax.lax.bitcast_convert_type(fed[:, 1:3], jnp.uint32)
+    history = count_fed(history, slots, fed[:, 0])
+    scores = penalize(logits, history, slots, penalties)
+    drawn = pack_sampled(sample(logits, *cuts, keys, want_top, scores, allowed))
+    carry = carry.at[slots].set(drawn[:, :CARRY_WIDTH])
+    if mesh is not None:  # placed as the step and empty_history place them
+        carry, history = jax.lax.with_sharding_constraint((carry, history), NamedSharding(mesh, PartitionSpec()))
+    return packed.at[:, :SAMPLED_WIDTH].set(drawn), carry, history

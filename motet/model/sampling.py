@@ -106,6 +106,7 @@ def sample(logits, temperature, top_p, top_k, min_p, keys, want_top=False, score
 
 
 SAMPLED_WIDTH = 4 + 2 * TOP_CANDIDATES  # token, logprob, key (2), top ids, top logprobs
+CARRY_WIDTH = 4  # the columns a decode step leaves its slot: token, logprob, key
 
 
 def pack_sampled(drawn) -> jax.Array:
