@@ -45,11 +45,12 @@ from test_session_file import HEADER
 from motet.engines.mux_engine import MuxEngine
 from motet.http.anthropic_schema import parse_messages
 from motet.http.openai_schema import ROLES, InvalidRequest, Limits, parse_chat, parse_completion
+from motet.http.tools import call_grammar
 from motet.model.chat_template import ChatTemplateError
 from motet.model.loader import load_chat
 from motet.protocol import legacy, mux, wire
 from motet.protocol.session_file import SessionError, read_session
-from motet.runtime.serve_settings import ServeSettings
+from motet.runtime.serve_settings import TOOL_FAMILIES, ServeSettings
 
 CORPUS = Path(__file__).resolve().parent / "corpus"
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
@@ -290,14 +291,20 @@ JSON = st.recursive(
     max_leaves=10,
 )
 PART = st.fixed_dictionaries({"type": st.just("text") | JSON, "text": TEXT | JSON})
+CALL = st.fixed_dictionaries({"id": TEXT | JSON, "type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "g"]) | JSON, "arguments": st.just('{"x": 1}') | TEXT | JSON})}) | JSON
 MESSAGE = st.fixed_dictionaries(
-    {"role": st.sampled_from(list(ROLES)) | JSON, "content": TEXT | st.lists(PART, max_size=3) | JSON}
+    {"role": st.sampled_from(list(ROLES)) | JSON, "content": TEXT | st.lists(PART, max_size=3) | JSON},
+    optional={"tool_calls": st.lists(CALL, max_size=2) | JSON, "tool_call_id": TEXT | JSON},
 ) | JSON
+FUNCTION = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "g", "bad name"]) | JSON},
+    optional={"description": TEXT | JSON, "parameters": st.just({"type": "object"}) | JSON})}) | JSON
 CHAT_FIELDS = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop",
                "stream", "stream_options", "seed", "n", "presence_penalty", "frequency_penalty", "logprobs",
                "top_logprobs", "cache_slot", "user", "top_k", "min_p", "repetition_penalty", "logit_bias",
                "stop_token_ids", "response_format", "structured_outputs", "chat_template_kwargs", "tools",
-               "tool_choice")
+               "tool_choice", "parallel_tool_calls", "functions")
 COMPLETION_FIELDS = (*(f for f in CHAT_FIELDS if f not in ("messages", "max_completion_tokens", "top_logprobs")),
                      "prompt", "echo", "best_of", "suffix")
 PLAUSIBLE = {  # values that pass, so the fields after them are reached too
@@ -307,6 +314,8 @@ PLAUSIBLE = {  # values that pass, so the fields after them are reached too
     "stream": st.booleans(), "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "logprobs": st.booleans() | st.integers(0, 5), "top_logprobs": st.integers(0, 5),
     "cache_slot": st.integers(0, 3), "seed": st.integers(0, 2**63 - 1),
+    "tools": st.lists(FUNCTION, max_size=3), "parallel_tool_calls": st.booleans(),
+    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "function": {"name": "f"}}]),
 }
 MESSAGES_FIELDS = ("model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p", "top_k",
                    "stream", "tools", "thinking", "metadata")
@@ -365,7 +374,10 @@ def check_parse(parse, body, limits: Limits) -> None:
         text.encode("utf-8")  # no lone surrogate gets through
     if hasattr(request, "messages"):
         assert 0 < len(request.messages) <= limits.max_messages
-        assert all(m["role"] in ("system", "user", "assistant") for m in request.messages)
+        assert all(m["role"] in ("system", "user", "assistant", "tool") for m in request.messages)
+        tools = getattr(request, "tools", None)
+        if tools is not None:  # a forced call's grammar is built for any tools accepted
+            assert not tools.forced or all(call_grammar(tools, family).text for family in TOOL_FAMILIES)
         render(request.messages)
 
 

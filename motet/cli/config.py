@@ -138,6 +138,7 @@ def serve_settings(args, env: Mapping[str, str], model: ModelSettings, experts: 
         slot_save_path=args.slot_save_path, experts=experts, **extra,
         split=SplitSettings.from_json(args.split) if args.split is not None else None,
         send_timeout_s=args.send_timeout, compile_cache=model.compile_cache, warm_up=args.warm_up,
+        tool_parser=args.tool_parser,
     )
 
 

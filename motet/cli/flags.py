@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from ..runtime.config import EXPERT_MODES
+from ..runtime.serve_settings import TOOL_FAMILIES
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -106,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     servep.add_argument("--web-dir", type=Path, default=None,
                         help="the folder served at / (default: the page shipped in the package, motet/web/)")
     servep.add_argument("--engine-cmd", default=None, help='a mux engine to drive, e.g. "motet mux"')
+    servep.add_argument("--tool-parser", choices=TOOL_FAMILIES, default=None,
+                        help="the format of the model's tool calls (default: the one its chat template asks for)")
     servep.add_argument("--send-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="close a connection whose client takes no bytes of an answer for this long "
                         "(its request is cancelled, its slot freed)")

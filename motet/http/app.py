@@ -40,6 +40,8 @@ from .openai_schema import ChatRequest, Limits, parse_chat, parse_completion, pa
 from .openapi import openapi_document
 from .reasoning import ReasoningSplitter, opens_reasoning
 from .slots import SlotRoutes
+from .tool_calls import ToolCallStream, ToolFamily
+from .tools import call_grammar, render_with_tools
 
 log = logging.getLogger(__name__)
 
@@ -142,17 +144,28 @@ class Server:
 
     async def chat_completions(self):
         body = parse_chat(await self._json(), self.limits)
-        prompt = self._render(body)
-        if isinstance(prompt, Response):
-            return prompt
+        rendered = self._render(body)
+        if isinstance(rendered, Response):
+            return rendered
+        prompt, family = rendered
+        options = body.options
+        if body.tools is not None and body.tools.forced:  # the answer is a call, by grammar
+            options = dataclasses.replace(options, grammar=call_grammar(body.tools, family or "hermes"))
         opened = opens_reasoning(prompt)
-        return await self._generate(Turn(True, self.engine.name, body.options, trio.current_time(),
-                                         reasoning=ReasoningSplitter(opened), reasoning_opened=opened), prompt)
+        return await self._generate(Turn(True, self.engine.name, options, trio.current_time(),
+                                         reasoning=ReasoningSplitter(opened), reasoning_opened=opened,
+                                         tools=None if family is None else ToolCallStream(family)), prompt)
 
-    def _render(self, body: ChatRequest) -> str | Response:
-        """The conversation through the chat template, or the error response."""
+    def _render(self, body: ChatRequest) -> tuple[str, ToolFamily | None] | Response:
+        """The conversation through the chat template, with the format to read the
+        answer's tool calls in when it has tools (tools.render_with_tools), or the error
+        response."""
+        messages, kwargs = [dict(m) for m in body.messages], body.options.template_kwargs or {}
         try:
-            return self.engine.render_chat([dict(m) for m in body.messages], **(body.options.template_kwargs or {}))
+            if body.tools is None:
+                return self.engine.render_chat(messages, **kwargs), None
+            return render_with_tools(self.engine.render_chat, messages, body.tools, self.settings.tool_parser,
+                                     **kwargs)
         except ValueError as exc:  # the chat template refused this conversation
             raise InvalidRequest(str(exc), "messages") from None
         except EngineError as exc:  # no engine to render with (a mux child starting again)
@@ -162,9 +175,10 @@ class Server:
 
     async def messages(self):
         body = parse_messages(await self._json(), self.limits)
-        prompt = self._render(body)
-        if isinstance(prompt, Response):
-            return prompt
+        rendered = self._render(body)
+        if isinstance(rendered, Response):
+            return rendered
+        prompt, _ = rendered
         if self.closing:
             return self._shutting_down()
         turn = Turn(True, self.engine.name, body.options, trio.current_time())
@@ -182,11 +196,11 @@ class Server:
 
     async def count_tokens(self):
         body = parse_messages(await self._json(), self.limits, count_only=True)
-        prompt = self._render(body)
-        if isinstance(prompt, Response):
-            return prompt
+        rendered = self._render(body)
+        if isinstance(rendered, Response):
+            return rendered
         try:
-            return {"input_tokens": len(self.engine.tokenize(prompt))}
+            return {"input_tokens": len(self.engine.tokenize(rendered[0]))}
         except EngineError as exc:  # text no tokenizer reads; no engine (a mux child starting again)
             return error_response(from_engine(exc, "messages", self.settings.retry_after_s))
 

@@ -22,10 +22,11 @@ from ..runtime.engine_api import EngineAPI, Events
 from ..runtime.errors import Cancelled, EngineError
 from . import anthropic_schema as messages_shape
 from . import openai_responses as shape
-from . import reasoning
+from . import reasoning, tool_calls
 from .errors import ApiError, from_engine
 from .openai_schema import Options
 from .reasoning import ReasoningSplitter
+from .tool_calls import ToolCall, ToolCallStream
 
 
 @dataclass
@@ -44,6 +45,8 @@ class Turn:
     # a chat answer's reasoning apart from its content; opened: the prompt opened the block
     reasoning: ReasoningSplitter | None = None
     reasoning_opened: bool = False
+    tools: ToolCallStream | None = None  # a chat answer's tool calls, read in their family's format
+    call_ids: list[str] = field(default_factory=list)  # of the calls streamed so far
 
     def __post_init__(self):
         self.ident = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
@@ -124,8 +127,12 @@ class Generation:
         if turn.chat:
             content = [shape.chat_logprob(e, turn.k) for e in turn.logprobs] if asked else None
             thought, text = reasoning.split(text, turn.reasoning_opened) if turn.reasoning else ("", text)
+            calls: list[ToolCall] = []
+            if turn.tools is not None:
+                text, calls = tool_calls.parse(turn.tools.family, text)
+            entries = [shape.tool_call(call, call_id()) for call in calls]
             return shape.chat_completion(turn.ident, turn.created, turn.model, text, finish, content, turn.topk(),
-                                         thought)
+                                         thought, entries)
         logprobs = shape.completion_logprobs(turn.logprobs, turn.k) if asked else None
         return shape.text_completion(turn.ident, turn.created, turn.model, text, finish, logprobs, turn.topk())
 
@@ -202,7 +209,7 @@ class Generation:
             tail = self._delta(turn, finish.text_tail, end=True)
             if tail:
                 yield shape.sse(self._chunk(turn, tail))
-            yield shape.sse(self._chunk(turn, "", finish=shape.finish_reason(finish.stats)))
+            yield shape.sse(self._chunk(turn, "", finish=shape.finish_reason(finish.stats, bool(turn.call_ids))))
             obj = "chat.completion.chunk" if turn.chat else "text_completion"
             if turn.options.include_usage:
                 yield shape.sse(shape.usage_chunk(turn.ident, obj, turn.created, turn.model, finish.stats))
@@ -247,16 +254,26 @@ class Generation:
 
     @staticmethod
     def _delta(turn: Turn, text: str, end: bool = False) -> str | dict:
-        """A chat stream's delta for `text`: its reasoning and its content apart (end: and
-        what the splitter held back); completions' text as it is."""
+        """A chat stream's delta for `text`: its reasoning, its content and its tool
+        calls apart (end: and what the splitters held back); completions' text as it is."""
         if turn.reasoning is None:
             return text
         thought, content = turn.reasoning.push(text)
         if end:
             more_thought, more_content = turn.reasoning.flush()
             thought, content = thought + more_thought, content + more_content
+        calls: list[ToolCall] = []
+        if turn.tools is not None:
+            content, calls = turn.tools.push(content)
+            if end:
+                more_content, more_calls = turn.tools.flush()
+                content, calls = content + more_content, calls + more_calls
+        entries = []
+        for call in calls:
+            turn.call_ids.append(call_id())
+            entries.append(shape.tool_call(call, turn.call_ids[-1], len(turn.call_ids) - 1))
         return ({"reasoning_content": thought, "reasoning": thought} if thought else {}) | (
-            {"content": content} if content else {})
+            {"content": content} if content else {}) | ({"tool_calls": entries} if entries else {})
 
     def _chunk(self, turn: Turn, content: str | dict, events: tuple[TokenEvent, ...] = (),
                sent: int = 0, finish: str | None = None) -> dict:
@@ -274,3 +291,6 @@ class Generation:
         return shape.completion_chunk(turn.ident, turn.created, turn.model, content, finish=finish,
                                       logprobs=lp, with_usage=usage)
 
+
+def call_id() -> str:
+    return "call_" + secrets.token_hex(12)

@@ -10,6 +10,7 @@ from dataclasses import asdict
 
 from .. import __version__
 from ..runtime.api import FinishEvent, Perf, TokenEvent, TurnStats
+from .tool_calls import ToolCall
 
 SYSTEM_FINGERPRINT = f"motet-{__version__}"
 SSE_DONE = b"data: [DONE]\n\n"
@@ -21,10 +22,19 @@ def sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-def finish_reason(stats: TurnStats) -> str:
-    """OpenAI's "stop" or "length", or motet's "grammar": the request's grammar left no
-    token to sample."""
-    return stats.finish_reason if stats.finish_reason in ("length", "grammar") else "stop"
+def finish_reason(stats: TurnStats, called: bool = False) -> str:
+    """OpenAI's "stop", "length" or "tool_calls" (called: the answer holds calls and
+    ended on its own), or motet's "grammar": the request's grammar left no token to
+    sample."""
+    if stats.finish_reason in ("length", "grammar"):
+        return stats.finish_reason
+    return "tool_calls" if called else "stop"
+
+
+def tool_call(call: ToolCall, ident: str, index: int | None = None) -> dict:
+    """One entry of a message's `tool_calls` (streamed: with its index)."""
+    entry = {"id": ident, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return entry if index is None else {"index": index, **entry}
 
 
 def usage(stats: TurnStats) -> dict:
@@ -109,13 +119,17 @@ def _head(ident: str, obj: str, created: int, model: str) -> dict:
 
 
 def chat_completion(ident: str, created: int, model: str, text: str, finish: FinishEvent,
-                    logprobs: list[dict] | None, topk: list[list[dict]], reasoning: str = "") -> dict:
-    message = {"role": "assistant", "content": text}
+                    logprobs: list[dict] | None, topk: list[list[dict]], reasoning: str = "",
+                    calls: list[dict] | None = None) -> dict:
+    """calls: tool_call's entries (content is null when they are all the answer says)."""
+    message: dict = {"role": "assistant", "content": None if calls and not text.strip() else text}
     if reasoning:  # vLLM's names for it, the older and the newer
         message |= {"reasoning_content": reasoning, "reasoning": reasoning}
+    if calls:
+        message["tool_calls"] = calls
     choice = {"index": 0, "message": message,
               "logprobs": None if logprobs is None else {"content": logprobs},
-              "finish_reason": finish_reason(finish.stats)}
+              "finish_reason": finish_reason(finish.stats, bool(calls))}
     return {**_head(ident, "chat.completion", created, model), "choices": [choice],
             "usage": usage(finish.stats), "colibri": colibri(finish, topk)}
 

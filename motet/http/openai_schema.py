@@ -4,8 +4,8 @@ A bad field raises InvalidRequest naming it (`param`, e.g. `messages[0].content`
 the app answers with a 400 in OpenAI's error shape; any JSON value in any field gives a
 request or an InvalidRequest, nothing else (tests/test_fuzz.py). Fields OpenAI clients
 send that do not change the answer (`user`, `metadata`, ...) are ignored; fields that
-would change it and that motet cannot honour (`n` > 1, nonzero penalties, `echo`) are
-refused rather than silently dropped. `Limits` bound what one request may ask: messages,
+would change it and that motet cannot honour (`n` > 1, `echo`) are refused rather than
+silently dropped. `Limits` bound what one request may ask: messages,
 stop strings, prompt characters (before tokenizing), and `max_tokens`.
 """
 
@@ -18,9 +18,10 @@ from ..runtime.api import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_K, Gra
 from ..runtime.serve_settings import MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOPS
 from .errors import InvalidRequest
 from .structured import grammar_of
+from .tools import Tools, parse_tools, tool_calls_field
 
 MAX_TOP_LOGPROBS = 5
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,9 @@ class Options:
 @dataclass(frozen=True)
 class ChatRequest:
     model: str | None  # None: not given (answers carry the served model's name either way)
-    messages: tuple[dict[str, str], ...]  # {"role", "content"}, content flattened to text
+    messages: tuple[dict, ...]  # {"role", "content"}, content flattened to text (and tool_calls, tool_call_id)
     options: Options
+    tools: Tools | None = None  # the tools the answer may call (None: none, or tool_choice "none")
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class TokenizeRequest:
     """POST /tokenize: a text, or messages for the chat template (vLLM's fields)."""
 
     prompt: str | None
-    messages: tuple[dict[str, str], ...] | None
+    messages: tuple[dict, ...] | None
     add_special: bool  # add_special_tokens: the BOS the model wants, as a prompt gets
 
 
@@ -92,7 +94,11 @@ def parse_chat(body: object, limits: Limits = Limits()) -> ChatRequest:
     max_tokens = _int(body, "max_completion_tokens", 1, limits.max_tokens)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1, limits.max_tokens)
-    return ChatRequest(_model(body), parsed, _options(body, limits, max_tokens, logprobs, top))
+    options, tools = _options(body, limits, max_tokens, logprobs, top), parse_tools(body)
+    if tools is not None and tools.forced and options.grammar is not None:
+        raise InvalidRequest("a forced tool call ('tool_choice') and 'response_format' cannot both shape the "
+                             "answer", "tool_choice")
+    return ChatRequest(_model(body), parsed, options, tools)
 
 
 def parse_completion(body: object, limits: Limits = Limits()) -> CompletionRequest:
@@ -107,6 +113,9 @@ def parse_completion(body: object, limits: Limits = Limits()) -> CompletionReque
         raise InvalidRequest("only 'best_of': 1 is supported", "best_of")
     if body.get("suffix") not in (None, ""):
         raise InvalidRequest("'suffix' is not supported", "suffix")
+    for name in ("tools", "tool_choice", "functions", "function_call"):
+        if body.get(name) is not None:
+            raise InvalidRequest(f"'{name}' is for the chat route (/v1/chat/completions)", name)
     top = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)  # completions: an integer, or null
     max_tokens = _int(body, "max_tokens", 1, limits.max_tokens)
     return CompletionRequest(_model(body), prompt,
@@ -161,7 +170,7 @@ def _model(body: dict) -> str | None:
     return model
 
 
-def _messages(body: dict, limits: Limits) -> tuple[dict[str, str], ...]:
+def _messages(body: dict, limits: Limits) -> tuple[dict, ...]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty array of messages", "messages")
@@ -185,7 +194,7 @@ def _prompt(prompt: object, name: str, limits: Limits, what: str) -> str:
     return _text(prompt, name)
 
 
-def _message(message: object, where: str) -> dict[str, str]:
+def _message(message: object, where: str) -> dict:
     if not isinstance(message, dict):
         raise InvalidRequest(f"'{where}' must be an object with 'role' and 'content'", where)
     role = message.get("role")
@@ -193,7 +202,15 @@ def _message(message: object, where: str) -> dict[str, str]:
         raise InvalidRequest(
             f"'{where}.role' must be one of {', '.join(ROLES)}; got {role!r}", f"{where}.role"
         )
-    return {"role": ROLES[role], "content": _content(message.get("content"), f"{where}.content")}
+    calls = message.get("tool_calls") if role == "assistant" else None
+    content = message.get("content")
+    parsed: dict = {"role": ROLES[role], "content": "" if content is None and calls else
+                    _content(content, f"{where}.content")}
+    if calls:
+        parsed["tool_calls"] = tool_calls_field(calls, f"{where}.tool_calls")
+    if role == "tool" and isinstance(message.get("tool_call_id"), str):
+        parsed["tool_call_id"] = message["tool_call_id"]
+    return parsed
 
 
 def _content(content: object, where: str) -> str:
@@ -230,12 +247,6 @@ def _options(body: dict, limits: Limits, max_tokens: int | None, logprobs: bool,
     n = _integral(body.get("n"))
     if n is not None and (not _is_int(n) or n != 1):
         raise InvalidRequest(f"only 'n': 1 is supported; got {n!r}", "n")
-    for name in ("tools", "functions"):  # an agent client must not get an answer that ignored them
-        if body.get(name) not in (None, []):
-            raise InvalidRequest(f"'{name}' is not supported yet (no tool calls)", name)
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
-            raise InvalidRequest(f"'{name}' is not supported yet (no tool calls); only \"none\"", name)
     repetition = _number(body, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY)
     if repetition == 0.0:
         raise InvalidRequest(f"'repetition_penalty' must be in (0, {MAX_REPETITION_PENALTY:g}]",

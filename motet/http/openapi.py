@@ -15,6 +15,7 @@ from .. import __version__
 from ..runtime.api import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_K
 from ..runtime.serve_settings import ServeSettings
 from . import anthropic_schema as messages_shape
+from . import tools
 from .openai_schema import MAX_TOP_LOGPROBS, RESERVED_TEMPLATE_NAMES, ROLES
 from .slots import FILENAME_PATTERN, MAX_FILENAME_BYTES
 
@@ -113,7 +114,7 @@ def _schemas(settings: ServeSettings, slots: int) -> dict:
     counts = {"type": "integer", "minimum": 0}
     head = {"id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
             "model": {"type": "string"}, "system_fingerprint": {"type": "string"}}
-    finish = _nullable({"enum": ["stop", "length", "grammar"]})
+    finish = _nullable({"enum": ["stop", "length", "grammar", "tool_calls"]})
     top_properties = {"token": {"type": "string"}, "logprob": number,
                       "bytes": {"type": "array", "items": {"type": "integer"}}}
     top = {"type": "object", "required": ["token", "logprob"], "properties": top_properties}
@@ -129,9 +130,12 @@ def _schemas(settings: ServeSettings, slots: int) -> dict:
         "TextPart": {"type": "object", "required": ["type", "text"],
                      "properties": {"type": {"const": "text"}, "text": text}},
         "Message": {
-            "type": "object", "required": ["role", "content"],
+            "type": "object", "required": ["role"],
             "properties": {"role": {"enum": list(ROLES)},
-                           "content": {"anyOf": [text, {"type": "array", "items": _ref("TextPart")}]}},
+                           "content": {"anyOf": [text, {"type": "array", "items": _ref("TextPart")}, {"type": "null"}],
+                                       "description": "null only beside an assistant's tool_calls"},
+                           "tool_calls": {"type": "array", "items": tools.openapi_call()},
+                           "tool_call_id": {"type": "string"}},
         },
         "ChatCompletionRequest": {
             "type": "object", "required": ["messages"],
@@ -141,8 +145,7 @@ def _schemas(settings: ServeSettings, slots: int) -> dict:
                 "messages": {"type": "array", "minItems": 1, "maxItems": settings.max_messages,
                              "items": _ref("Message")},
                 "max_completion_tokens": common["max_tokens"],
-                "tools": _nullable({"type": "array", "maxItems": 0, "description": "not yet: none, or empty"}),
-                "tool_choice": _nullable({"const": "none", "description": "not yet: only \"none\""}),
+                **tools.openapi_fields(),
                 "chat_template_kwargs": _nullable({
                     "type": "object",
                     "not": {"anyOf": [{"required": [name]} for name in sorted(RESERVED_TEMPLATE_NAMES)]},
@@ -182,8 +185,9 @@ def _schemas(settings: ServeSettings, slots: int) -> dict:
                     "type": "object", "required": ["index", "message", "finish_reason"],
                     "properties": {
                         "index": counts, "finish_reason": finish,
-                        "message": {"type": "object", "required": ["role", "content"],
-                                    "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}},
+                        "message": {"type": "object", "required": ["role", "content"], "properties": {
+                            "role": {"const": "assistant"}, "content": _nullable({"type": "string"}),
+                            "tool_calls": {"type": "array", "items": tools.openapi_call()}}},
                         "logprobs": _nullable({"type": "object", "properties": {"content": {
                             "type": "array", "items": {**top, "properties": {
                                 **top_properties, "top_logprobs": {"type": "array", "items": top}}}}}}),

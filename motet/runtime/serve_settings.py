@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import motet
 
@@ -18,6 +19,8 @@ MAX_STOPS = 4
 MAX_MESSAGES = 256
 MAX_STOP_CHARS = 256
 MAX_PROMPT_CHARS = 1 << 20
+ToolFamily = Literal["hermes", "llama3_json", "mistral"]  # the formats tool calls are read in
+TOOL_FAMILIES: tuple[ToolFamily, ...] = ("hermes", "llama3_json", "mistral")
 
 
 def is_loopback(host: str) -> bool:
@@ -64,6 +67,8 @@ class ServeSettings:
     split: SplitSettings | None = None  # --split: a prefill and a decode engine (split.py)
     compile_cache: Path | None = None  # the in-process engine's JAX compilation cache; None: off
     warm_up: bool = True  # the in-process engine compiles every shape before it serves
+    tool_parser: ToolFamily | None = None  # the format of the model's tool calls (http/tool_calls.py);
+    # None: the one its chat template asks for
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -76,6 +81,8 @@ class ServeSettings:
                      "max_stop_chars", "max_prompt_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.tool_parser not in (None, *TOOL_FAMILIES):
+            raise ValueError(f"tool_parser must be one of {', '.join(TOOL_FAMILIES)}, got {self.tool_parser!r}")
         for name in ("body_timeout_s", "header_timeout_s", "send_timeout_s"):
             if not getattr(self, name) > 0:  # also refuses NaN
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
