@@ -1,16 +1,22 @@
 """Anthropic's Messages API on the real server, through the official `anthropic` client,
 on both backends: text, system prompts, streaming events in Anthropic's order, stop
-sequences, usage, count_tokens, and errors in Anthropic's shape."""
+sequences, usage, count_tokens, tool_use and tool_result blocks, thinking blocks, and
+errors in Anthropic's shape."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import anthropic
 import httpx
+import jsonschema
 import pytest
 import test_http
+import test_http_reasoning
 from test_http import in_thread, tiny_server
 
 serve_smol = test_http.serve_smol  # the fixture: the default model's server on either backend
+thinking_llama = test_http_reasoning.thinking_llama  # the fixture: a tiny model whose template thinks
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -59,8 +65,12 @@ async def test_messages_streamed_and_not_with_stop_sequences_and_usage(serve_smo
     ({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, "role"),
     ({"max_tokens": 4, "messages": QUESTION, "temperature": 1.5}, "'temperature' must be in [0, 1]"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-     "only text blocks"),
-    ({"max_tokens": 4, "messages": QUESTION, "tools": [{"name": "f"}]}, "'tools' is not supported yet"),
+     "a user message takes text, tool_result blocks"),
+    ({"max_tokens": 4, "messages": QUESTION, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+     "server tools are not run here"),
+    ({"max_tokens": 4, "messages": QUESTION, "tools": [{"name": "no spaces"}]}, "'tools[0].name'"),
+    ({"max_tokens": 4, "messages": QUESTION, "tool_choice": {"type": "sometimes"}}, "'tool_choice' must be"),
+    ({"max_tokens": 4, "messages": QUESTION, "thinking": {"type": "maybe"}}, "'thinking' must be"),
     ({"max_tokens": 4, "messages": QUESTION, "stop_sequences": ["a", "b", "c", "d", "e"]}, "stop_sequences"),
 ])
 async def test_bad_requests_are_400_in_anthropics_shape(llama, body, words):
@@ -76,3 +86,77 @@ async def test_bad_requests_are_400_in_anthropics_shape(llama, body, words):
     error = response.json()
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert words in error["error"]["message"]
+
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city now", "input_schema": {
+    "type": "object", "additionalProperties": False, "required": ["city"],
+    "properties": {"city": {"type": "string", "maxLength": 24}}}}
+ADD = {"name": "add", "description": "Add two numbers", "input_schema": {
+    "type": "object", "additionalProperties": False, "required": ["a", "b"],
+    "properties": {"a": {"type": "integer", "maximum": 999}, "b": {"type": "integer", "maximum": 999}}}}
+WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def uses(message) -> list[tuple[str, dict]]:
+    """The tool_use blocks of a message, each input valid for its tool's schema."""
+    schemas = {t["name"]: t["input_schema"] for t in (WEATHER, ADD)}
+    out = []
+    for block in message.content:
+        if block.type == "tool_use":
+            jsonschema.validate(block.input, schemas[block.name])
+            assert block.id.startswith("toolu_")
+            out.append((block.name, block.input))
+    return out
+
+
+async def test_tool_use_any_named_and_streamed_and_a_tool_result_back(serve_smol):
+    async with serve_smol() as (engine, url):
+        ask = partial(client(url).messages.create, model="smol", max_tokens=60, extra_body={"temperature": 0},
+                      tools=[WEATHER, ADD])
+        forced = await in_thread(ask, messages=WEATHER_Q, tool_choice={"type": "any"})
+        named = await in_thread(ask, messages=WEATHER_Q,
+                                tool_choice={"type": "tool", "name": "add", "disable_parallel_tool_use": True})
+        none = await in_thread(ask, messages=WEATHER_Q, tool_choice={"type": "none"})
+
+        def stream():
+            with client(url).messages.stream(model="smol", max_tokens=60, extra_body={"temperature": 0},
+                                              tools=[WEATHER, ADD], tool_choice={"type": "any"},
+                                              messages=WEATHER_Q) as events:
+                kinds = [e.type for e in events]
+                return kinds, events.get_final_message()
+
+        kinds, streamed = await in_thread(stream)
+        call = forced.content[-1]
+        back = await in_thread(ask, messages=[
+            *WEATHER_Q, {"role": "assistant", "content": [{"type": "tool_use", "id": call.id, "name": call.name,
+                                                           "input": call.input}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                          "content": [{"type": "text", "text": "sunny, 24 degrees"}]}]}])
+    assert uses(forced) and forced.stop_reason == "tool_use"
+    assert [name for name, _ in uses(named)] == ["add"]
+    assert none.stop_reason in ("end_turn", "max_tokens") and not uses(none)
+    assert uses(streamed) == uses(forced) and streamed.stop_reason == "tool_use"  # greedy both times
+    assert "content_block_start" in kinds and "content_block_stop" in kinds
+    assert back.content[0].type == "text" and back.content[0].text
+
+
+async def test_thinking_blocks_streamed_and_not(thinking_llama):
+    async with tiny_server(thinking_llama) as (engine, url):
+        ask = partial(client(url).messages.create, model="m", max_tokens=16, extra_body={"temperature": 0},
+                      messages=QUESTION)
+        thought = await in_thread(ask, thinking={"type": "enabled", "budget_tokens": 1024})
+        plain = await in_thread(ask, thinking={"type": "disabled"})
+
+        def stream():
+            with client(url).messages.stream(model="m", max_tokens=16, extra_body={"temperature": 0},
+                                              messages=QUESTION, thinking={"type": "enabled",
+                                                                           "budget_tokens": 1024}) as events:
+                deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
+                return deltas, events.get_final_message()
+
+        deltas, streamed = await in_thread(stream)
+        free = await engine.complete(engine.render_chat(QUESTION), max_tokens=16)
+    # the block never closes in 16 tokens of the tiny model: all of it is thinking
+    assert [b.type for b in thought.content] == ["thinking", "text"] and thought.content[0].thinking == free.text
+    assert all(b.type == "text" for b in plain.content)
+    assert set(deltas) == {"thinking_delta"} and streamed.content[0].thinking == free.text

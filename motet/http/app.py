@@ -34,7 +34,7 @@ from . import openai_responses as shape
 from . import static
 from .anthropic_schema import parse_messages
 from .errors import ApiError, InvalidRequest, from_engine, invalid
-from .generate import Generation, Turn
+from .generate import Generation, Turn, whole_parts
 from .metrics import Metrics, RecentRate
 from .openai_schema import ChatRequest, Limits, parse_chat, parse_completion, parse_detokenize, parse_tokenize
 from .openapi import openapi_document
@@ -143,7 +143,12 @@ class Server:
     # ---- the OpenAI routes ----------------------------------------------------------
 
     async def chat_completions(self):
-        body = parse_chat(await self._json(), self.limits)
+        made = self._chat_turn(parse_chat(await self._json(), self.limits))
+        return made if isinstance(made, Response) else await self._generate(*made)
+
+    def _chat_turn(self, body: ChatRequest) -> tuple[Turn, str] | Response:
+        """A chat request's turn (its answer's reasoning and tool calls read apart) and
+        its prompt, or the error response."""
         rendered = self._render(body)
         if isinstance(rendered, Response):
             return rendered
@@ -152,9 +157,8 @@ class Server:
         if body.tools is not None and body.tools.forced:  # the answer is a call, by grammar
             options = dataclasses.replace(options, grammar=call_grammar(body.tools, family or "hermes"))
         opened = opens_reasoning(prompt)
-        return await self._generate(Turn(True, self.engine.name, options, trio.current_time(),
-                                         reasoning=ReasoningSplitter(opened), reasoning_opened=opened,
-                                         tools=None if family is None else ToolCallStream(family)), prompt)
+        return Turn(True, self.engine.name, options, trio.current_time(), reasoning=ReasoningSplitter(opened),
+                    reasoning_opened=opened, tools=None if family is None else ToolCallStream(family)), prompt
 
     def _render(self, body: ChatRequest) -> tuple[str, ToolFamily | None] | Response:
         """The conversation through the chat template, with the format to read the
@@ -174,15 +178,13 @@ class Server:
     # ---- Anthropic's Messages ---------------------------------------------------------
 
     async def messages(self):
-        body = parse_messages(await self._json(), self.limits)
-        rendered = self._render(body)
-        if isinstance(rendered, Response):
-            return rendered
-        prompt, _ = rendered
+        made = self._chat_turn(parse_messages(await self._json(), self.limits))
+        if isinstance(made, Response):
+            return made
+        turn, prompt = made
         if self.closing:
             return self._shutting_down()
-        turn = Turn(True, self.engine.name, body.options, trio.current_time())
-        if body.options.stream:
+        if turn.options.stream:
             stream = await self.generation.open_stream(turn, prompt, anthropic=True)
             if isinstance(stream, ApiError):
                 return error_response(stream)
@@ -191,8 +193,8 @@ class Server:
         finish = await self.generation.collect(turn, prompt)
         if isinstance(finish, ApiError):
             return error_response(finish)
-        text = "".join(turn.texts) + finish.text_tail
-        return messages_shape.message(messages_shape.message_id(), turn.model, text, finish)
+        thought, text, calls = whole_parts(turn, "".join(turn.texts) + finish.text_tail)
+        return messages_shape.message(messages_shape.message_id(), turn.model, text, finish, thought, calls)
 
     async def count_tokens(self):
         body = parse_messages(await self._json(), self.limits, count_only=True)

@@ -126,10 +126,7 @@ class Generation:
         text, asked = "".join(turn.texts) + finish.text_tail, turn.options.logprobs
         if turn.chat:
             content = [shape.chat_logprob(e, turn.k) for e in turn.logprobs] if asked else None
-            thought, text = reasoning.split(text, turn.reasoning_opened) if turn.reasoning else ("", text)
-            calls: list[ToolCall] = []
-            if turn.tools is not None:
-                text, calls = tool_calls.parse(turn.tools.family, text)
+            thought, text, calls = whole_parts(turn, text)
             entries = [shape.tool_call(call, call_id()) for call in calls]
             return shape.chat_completion(turn.ident, turn.created, turn.model, text, finish, content, turn.topk(),
                                          thought, entries)
@@ -224,17 +221,19 @@ class Generation:
             await request.aclose()
 
     async def _anthropic_frames(self, turn: Turn, request: AsyncExitStack, events: Events):
-        """As _frames, in Anthropic's events: message_start, a text block's deltas,
-        message_delta with the stop reason and usage, message_stop."""
+        """As _frames, in Anthropic's events: message_start, each content block's start,
+        deltas and stop (thinking, text, tool_use), message_delta with the stop reason
+        and usage, message_stop."""
         finish: FinishEvent | None = None
         ident = messages_shape.message_id()
+        blocks = messages_shape.Blocks()
         try:
             yield messages_shape.start_events(ident, turn.model, 0)
             async for event in events:
                 if isinstance(event, TokenEvent):
                     self._token(turn, event)
-                    if event.text:
-                        yield messages_shape.text_event(event.text)
+                    if frames := blocks.part(*self._parts(turn, event.text)):
+                        yield frames
                 else:
                     finish = event
             assert finish is not None  # a stream that ends without raising ends with its FinishEvent
@@ -242,9 +241,7 @@ class Generation:
             if finish.stats.finish_reason == "cancelled":
                 yield messages_shape.event("error", messages_shape.error_body(self._error(turn, Cancelled())))
                 return
-            if finish.text_tail:
-                yield messages_shape.text_event(finish.text_tail)
-            yield messages_shape.end_events(finish)
+            yield blocks.part(*self._parts(turn, finish.text_tail, end=True)) + blocks.end(finish)
         except EngineError as exc:  # the engine closed under the stream: say so, in-band
             yield messages_shape.event("error", messages_shape.error_body(self._error(turn, exc)))
         finally:
@@ -258,8 +255,19 @@ class Generation:
         calls apart (end: and what the splitters held back); completions' text as it is."""
         if turn.reasoning is None:
             return text
-        thought, content = turn.reasoning.push(text)
-        if end:
+        thought, content, calls = Generation._parts(turn, text, end)
+        entries = []
+        for call in calls:
+            turn.call_ids.append(call_id())
+            entries.append(shape.tool_call(call, turn.call_ids[-1], len(turn.call_ids) - 1))
+        return ({"reasoning_content": thought, "reasoning": thought} if thought else {}) | (
+            {"content": content} if content else {}) | ({"tool_calls": entries} if entries else {})
+
+    @staticmethod
+    def _parts(turn: Turn, text: str, end: bool = False) -> tuple[str, str, list[ToolCall]]:
+        """A chat answer's next text as (reasoning, content, tool calls) ready to send."""
+        thought, content = turn.reasoning.push(text) if turn.reasoning else ("", text)
+        if end and turn.reasoning:
             more_thought, more_content = turn.reasoning.flush()
             thought, content = thought + more_thought, content + more_content
         calls: list[ToolCall] = []
@@ -268,12 +276,7 @@ class Generation:
             if end:
                 more_content, more_calls = turn.tools.flush()
                 content, calls = content + more_content, calls + more_calls
-        entries = []
-        for call in calls:
-            turn.call_ids.append(call_id())
-            entries.append(shape.tool_call(call, turn.call_ids[-1], len(turn.call_ids) - 1))
-        return ({"reasoning_content": thought, "reasoning": thought} if thought else {}) | (
-            {"content": content} if content else {}) | ({"tool_calls": entries} if entries else {})
+        return thought, content, calls
 
     def _chunk(self, turn: Turn, content: str | dict, events: tuple[TokenEvent, ...] = (),
                sent: int = 0, finish: str | None = None) -> dict:
@@ -294,3 +297,12 @@ class Generation:
 
 def call_id() -> str:
     return "call_" + secrets.token_hex(12)
+
+
+def whole_parts(turn: Turn, text: str) -> tuple[str, str, list[ToolCall]]:
+    """A whole chat answer as (reasoning, content, tool calls)."""
+    thought, text = reasoning.split(text, turn.reasoning_opened) if turn.reasoning else ("", text)
+    if turn.tools is None:
+        return thought, text, []
+    text, calls = tool_calls.parse(turn.tools.family, text)
+    return thought, text, calls
