@@ -145,6 +145,29 @@ async def test_decode_and_prefill_answer_exactly_as_mono(workers):
     assert once.body == mono_once.body and once.get("tokens") == "1" and once.get("finish") == "length"
 
 
+async def test_the_engines_sampling_keys_reach_it_on_mono_and_split_workers(workers):
+    """top_k, min_p, the penalties, logit_bias and stop_token_ids reach the engine. Split
+    answers as mono for a greedy request with a repetition penalty and a bias (a
+    sampled one draws its continuation with keys of its own, and the decode side counts
+    the first token as the prompt's for presence and frequency)."""
+    keys = {"temperature": "0.8", "seed": "3", "top_k": "5", "min_p": "0.05", "presence_penalty": "0.5",
+            "frequency_penalty": "0.25", "repetition_penalty": "1.3"}
+    greedy = {"repetition_penalty": "1.5", "logit_bias": "9:-100,11:3.5"}
+    with trio.fail_after(TIMEOUT):
+        plain = await ask(workers.mono.address, K_GEN, PROMPT, max_tokens=8, temperature="0.8", seed="3")
+        mono = await ask(workers.mono.address, K_GEN, PROMPT, max_tokens=8, **keys)
+        unpenalized = await ask(workers.mono.address, K_GEN, PROMPT, max_tokens=12)
+        penalized = await ask(workers.mono.address, K_GEN, PROMPT, max_tokens=12, **greedy)
+        split = await ask(workers.decode.address, K_DECODE, PROMPT, max_tokens=12, **greedy)
+        forced = await ask(workers.mono.address, K_GEN, PROMPT, max_tokens=3, logit_bias="7:100")
+        stopped = await ask(workers.mono.address, K_GEN, PROMPT, max_tokens=3, logit_bias="7:100", stop_token_ids="7")
+    assert mono.body != plain.body  # the keys changed what was drawn
+    assert penalized.body != unpenalized.body
+    assert split.body == penalized.body and split.get("fallback") == "0"
+    assert forced.get("tokens") == "3" and (forced.get("finish"), stopped.get("finish")) == ("length", "stop")
+    assert stopped.get("tokens") == "0"  # token 7 first, and it ends the turn
+
+
 async def test_several_decode_requests_at_once_each_answer_right(workers):
     results = {}
 
@@ -339,6 +362,10 @@ async def test_malformed_requests_get_the_exact_sentence_and_the_worker_serves_o
         assert await error_of(mono, struct.pack("<I", 0)) == "a frame of length 0 has no kind byte"
         assert await error_of(mono, request_frame(K_GEN, b"max_tokens=two\n\nhi")) == "max_tokens: not a number"
         assert await error_of(mono, request_frame(K_GEN, b"top_p=nan\n\nhi")) == "top_p: not a number"
+        assert await error_of(mono, request_frame(K_GEN, b"logit_bias=5\n\nhi")) == "logit_bias: '5' is not token:value"
+        assert await error_of(mono, request_frame(K_GEN, b"stop_token_ids=1,x\n\nhi")) == \
+            "stop_token_ids: 'x' is not a token id"
+        assert (await error_of(mono, request_frame(K_GEN, b"repetition_penalty=0\n\nhi"))).startswith("repetition_penalty")
         assert await error_of(mono, request_frame(K_GEN, b"max_tokens=0\n\nhi")) == \
             "max_tokens must be at least 1, got 0"
         assert await error_of(mono, request_frame(K_DECODE, b"\nhi")) == "a mono worker answers GEN, not DECODE"
