@@ -245,17 +245,13 @@ async def test_stop_strings_and_length_on_the_default_model(serve_smol):
     assert chunks[-2].choices[0].finish_reason == "stop"
 
 
-async def test_top_k_and_min_p_cut_the_draw(serve_tiny, request):
+async def test_top_k_and_min_p_cut_the_draw(serve_tiny):
     """vLLM's and llama.cpp's top_k and min_p, as the openai client sends them (extra_body):
     cut to the likeliest token, a draw at temperature 1 is the greedy answer, whatever the
-    seed. The mux protocol carries neither, so a mux engine refuses them."""
+    seed. A mux engine gets them (and the seed) as SUBMIT's options."""
     async with serve_tiny() as (engine, url):
         client = sync_client(url)
         ask = partial(client.chat.completions.create, model="m", messages=HELLO, max_tokens=8)
-        if "mux" in request.node.callspec.id:
-            with pytest.raises(openai.BadRequestError, match="top_k: not carried by the mux protocol"):
-                await in_thread(ask, temperature=1.0, extra_body={"top_k": 1})
-            return
         greedy = (await in_thread(ask, temperature=0)).choices[0].message.content
         for seed in range(3):
             for cut in ({"top_k": 1}, {"min_p": 1.0}):
@@ -265,28 +261,23 @@ async def test_top_k_and_min_p_cut_the_draw(serve_tiny, request):
         assert free != {greedy}  # without a cut, the tiny model's draws do differ
 
 
-async def test_penalties_bias_and_stop_ids_from_the_official_client(serve_tiny, request):
+async def test_penalties_bias_and_stop_ids_from_the_official_client(serve_tiny):
     """OpenAI's logit_bias and penalties as the client sends them, vLLM's
     repetition_penalty and stop_token_ids through extra_body: a bias of 100 makes every
-    token the one it names, and that token as a stop id ends the answer before it. The
-    mux protocol carries none of them: a mux engine refuses each."""
+    token the one it names, and that token as a stop id ends the answer before it. A mux
+    engine gets them as SUBMIT's options."""
     async with serve_tiny() as (engine, url):
         client = sync_client(url)
         ask = partial(client.completions.create, model="m", prompt="the sea is", max_tokens=6, temperature=0)
-        if "mux" in request.node.callspec.id:
-            for fields in (dict(logit_bias={"5": 1}), dict(presence_penalty=0.5),
-                           dict(extra_body={"stop_token_ids": [5]})):
-                with pytest.raises(openai.BadRequestError, match="not carried by the mux protocol"):
-                    await in_thread(ask, **fields)
-            return
         plain = await in_thread(ask, max_tokens=24)
         penalized = await in_thread(ask, max_tokens=24, frequency_penalty=2.0, presence_penalty=1.0,
                                     extra_body={"repetition_penalty": 2.0})
         token = engine.tokenize(" sea", add_special=False)[0]
         forced = await in_thread(ask, logit_bias={str(token): 100})
         stopped = await in_thread(ask, logit_bias={str(token): 100}, extra_body={"stop_token_ids": [token]})
+        repeated = engine.detokenize([token] * 6)
     assert penalized.choices[0].text != plain.choices[0].text
-    assert forced.choices[0].text == engine.detokenize([token] * 6)
+    assert forced.choices[0].text == repeated
     assert stopped.choices[0].text == "" and stopped.choices[0].finish_reason == "stop"
     assert stopped.usage.completion_tokens == 0
 

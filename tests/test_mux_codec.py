@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from motet.protocol import mux
+from motet.protocol.sampling_keys import fields_of, pairs_of
 
 
 def feed_all(decoder, data: bytes, cuts=()) -> list:
@@ -31,6 +32,28 @@ def test_submit_round_trip_whatever_the_split():
 def test_the_optional_grammar_bytes_are_consumed():
     s = mux.Submit(3, 0, 8, 0.0, 1.0, b"prompt", b"root ::= x")
     assert mux.RequestDecoder().feed(mux.encode_submit(s) + b"CANCEL 3\n") == [s, mux.Cancel(3)]
+
+
+def test_submit_options_round_trip_and_read_as_the_engines_fields():
+    options = (("seed", "42"), ("top_k", "40"), ("logit_bias", "13:-100.0,2:2.5"), ("stop_token_ids", "2,7"))
+    for grammar in (None, b'root ::= "x"'):
+        s = mux.Submit(3, 0, 8, 0.7, 0.9, b"prompt", grammar, options)
+        wire = mux.encode_submit(s)
+        assert wire.split(b"\n")[0].endswith(b" seed=42 top_k=40 logit_bias=13:-100.0,2:2.5 stop_token_ids=2,7")
+        assert mux.RequestDecoder().feed(wire + b"CANCEL 3\n") == [s, mux.Cancel(3)]
+    assert fields_of(options) == {"seed": 42, "top_k": 40, "logit_bias": {13: -100.0, 2: 2.5},
+                                  "stop_token_ids": (2, 7)}
+    fields = {"seed": 42, "top_k": 40, "min_p": 0.0, "logit_bias": ((13, -100.0), (2, 2.5)), "stop_token_ids": (2, 7)}
+    assert pairs_of(fields) == options  # the defaults (min_p 0) left out
+
+
+def test_a_bad_submit_option_is_a_bad_request_and_its_payload_is_skipped():
+    for option, words in ((b"temperature=1", b"unknown SUBMIT option"), (b"top_k=x", b"not a whole number"),
+                          (b"logit_bias=5", b"not token:value"), (b"seed=1 seed=2", b"given twice"),
+                          (b"min_p=nan", b"not a number")):
+        events = mux.RequestDecoder().feed(b"SUBMIT 6 0 5 8 0.5 1 " + option + b"\nhello\nCANCEL 6\n")
+        assert events[0].request_id == 6 and words.decode() in events[0].reason, events
+        assert events[1:] == [mux.Cancel(6)]
 
 
 def test_a_wrong_trailing_delimiter_is_a_bad_frame_and_ends_the_stream():

@@ -364,7 +364,7 @@ async def test_malformed_requests_get_the_exact_sentence_and_the_worker_serves_o
         assert await error_of(mono, request_frame(K_GEN, b"top_p=nan\n\nhi")) == "top_p: not a number"
         assert await error_of(mono, request_frame(K_GEN, b"logit_bias=5\n\nhi")) == "logit_bias: '5' is not token:value"
         assert await error_of(mono, request_frame(K_GEN, b"stop_token_ids=1,x\n\nhi")) == \
-            "stop_token_ids: 'x' is not a token id"
+            "stop_token_ids: 'x' is not a whole number"
         assert (await error_of(mono, request_frame(K_GEN, b"repetition_penalty=0\n\nhi"))).startswith("repetition_penalty")
         assert await error_of(mono, request_frame(K_GEN, b"max_tokens=0\n\nhi")) == \
             "max_tokens must be at least 1, got 0"

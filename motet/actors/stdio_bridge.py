@@ -19,6 +19,7 @@ import psutil
 import trio
 
 from ..protocol import mux
+from ..protocol.sampling_keys import fields_of
 from ..protocol.session_file import SessionError
 from ..runtime.api import ExpertTiers, FinishEvent, StepRouting, TokenEvent
 from ..runtime.engine_api import Events, InProcessEngineAPI
@@ -254,7 +255,7 @@ class StdioBridge:
                 stream = self.engine.stream(
                     prompt, max_tokens=max(1, sub.max_tokens), temperature=sub.temperature,
                     top_p=sub.top_p, slot=sub.slot, request_id=sub.request_id,
-                    top_logprobs=5 if self.settings.topk else 0, grammar=grammar,
+                    top_logprobs=5 if self.settings.topk else 0, grammar=grammar, **fields_of(sub.options),
                 )
             events = await request.enter_async_context(stream)
         except EngineError as exc:

@@ -8,11 +8,12 @@
 One reader task demultiplexes the child's stdout into per-request channels; one writer task
 owns its stdin. The wire has no "any slot": slots are chosen here (runtime/slot_table.py).
 
-What the wire imposes: prompts are text (token ids are a BadRequest); `seed` is ignored
-(SUBMIT has none); the cuts, penalties, biases and stop ids it has no field for are
-refused; token ids are None, logprobs come only with `top_logprobs` (from TOPK lines);
-stop strings are matched here, then STOP ends the request; a request that waited for a
-slot meets a refusal (ContextExceeded, ...) at its first event, not at entry.
+What the wire imposes: prompts are text (token ids are a BadRequest); the seed, cuts,
+penalties, biases and stop ids SUBMIT has no field for go as its options [extension]
+(protocol/mux/options.py); a grammar's `after` does not go; token ids are None,
+logprobs come only with `top_logprobs` (from TOPK lines); stop strings are matched
+here, then STOP ends the request; a request that waited for a slot meets a refusal
+(ContextExceeded, ...) at its first event, not at entry.
 
 A slot's KV goes through motet's [extension] commands: save_slot / restore_slot /
 erase_slot (SAVE, RESTORE, ERASE) and prefill (PREFILL); a slot they use is not chosen for
@@ -35,6 +36,7 @@ from pathlib import Path
 import trio
 
 from ..protocol import mux
+from ..protocol.sampling_keys import pairs_of
 from ..runtime.api import EngineStatistics, ExpertState, GenerationRequest, SlotFile, StartupReport
 from ..runtime.collect import Collected
 from ..runtime.errors import BadRequest, EngineClosed, NotFound
@@ -47,9 +49,6 @@ from .mux_stream import EngineExited, EngineStartError, MuxStream, SlotCommand, 
 log = logging.getLogger(__name__)
 READ_SIZE = 65536
 CHILD_ENV = {"SERVE": "1", "SERVE_BATCH": "1", "SERVE_TOPK": "1"}
-# GenerationRequest's fields a SUBMIT has no room for
-NOT_ON_THE_WIRE = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                   "logit_bias", "stop_token_ids")
 EXIT_GRACE_S = 10.0  # once its stdin is closed, how long the child has to exit
 
 
@@ -255,7 +254,8 @@ class MuxEngine(ChatFiles, Service, Collected):
             self._send(mux.encode_prefill(mux.Prefill(stream.request_id, slot, payload)), quiet)
         else:
             grammar = None if r.grammar is None else mux.grammar_to_wire(r.grammar)
-            submit = mux.Submit(stream.request_id, slot, r.max_tokens, r.temperature, r.top_p, payload, grammar)
+            submit = mux.Submit(stream.request_id, slot, r.max_tokens, r.temperature, r.top_p, payload, grammar,
+                                pairs_of(vars(r)))
             self._send(mux.encode_submit(submit), quiet)
         stream.slot, stream.sent_at = slot, time.perf_counter()
 
@@ -277,13 +277,9 @@ class MuxEngine(ChatFiles, Service, Collected):
 
     @asynccontextmanager
     async def stream(self, prompt, **fields):
-        """As Engine.stream; `seed` is ignored (the mux protocol carries none), and the
-        fields the wire has no room for (top_k, min_p, the penalties, logit_bias,
-        stop_token_ids) are refused when set: the child would sample without them."""
+        """As Engine.stream; the fields SUBMIT's line has no place for go as its options
+        [extension] (seed, top_k, min_p, the penalties, logit_bias, stop_token_ids)."""
         request = GenerationRequest.of(prompt, **fields)
-        if uncarried := request.set_fields(NOT_ON_THE_WIRE):
-            raise BadRequest(f"{', '.join(uncarried)}: not carried by the mux protocol (a mux engine "
-                             "samples with temperature and top_p only)")
         slot, request_id = request.slot, request.request_id
         # What the wire cannot carry is refused here, at entry, not by the child at the first
         # event (in-band, for a request that waited for a slot), nor in _submit (the reader's)

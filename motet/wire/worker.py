@@ -19,11 +19,11 @@ import logging
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import TypeVar
 
 import trio
 
 from ..protocol import wire
+from ..protocol.sampling_keys import SAMPLING_KEYS, fields_of
 from ..protocol.session_file import SessionHeader
 from ..protocol.wire import K_DECODE, K_ERROR, K_FIRST, K_GEN, K_PREFILL, K_RESULT, Frame, Msg, WireError
 from ..runtime.addresses import format_address, parse_address
@@ -45,25 +45,17 @@ from .frame_io import (
 log = logging.getLogger("motet.wire.worker")
 
 ROLES = {"mono": K_GEN, "prefill": K_PREFILL, "decode": K_DECODE}  # the one kind each answers
-_Default = TypeVar("_Default")
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """A request's sampling keys, each optional (docs/wire.md): the engine's sampling
-    fields, lists as comma-separated values (`stop_token_ids=2,7`, `logit_bias=5:-100,9:2.5`)."""
+    """A request's sampling keys, each optional (docs/wire.md): max_tokens, temperature,
+    top_p, and the engine's other fields as protocol/sampling_keys.py writes them."""
 
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
-    seed: int | None = None
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
+    keys: tuple[tuple[str, str], ...] = ()  # (key, value) of SAMPLING_KEYS, as given
 
     @classmethod
     def from_msg(cls, msg: Msg) -> Sampling:
@@ -71,44 +63,23 @@ class Sampling:
             value = msg.get(key)
             return default if value is None else _number(value, key)
 
-        def whole(key: str, default: _Default) -> int | _Default:
-            return msg.number(key) if msg.get(key) is not None else default
-
-        def listed(key: str) -> list[str]:
-            value = msg.get(key)
-            return [] if not value else value.split(",")
-
-        bias = []
-        for pair in listed("logit_bias"):
-            token, sep, value = pair.partition(":")
-            if not sep:
-                raise WireError(f"logit_bias: {pair!r} is not token:value")
-            bias.append((_id(token, "logit_bias"), _number(value, "logit_bias")))
-        sampling = cls(max_tokens=whole("max_tokens", cls.max_tokens), temperature=real("temperature", cls.temperature),
-                       top_p=real("top_p", cls.top_p), seed=whole("seed", None), top_k=whole("top_k", cls.top_k),
-                       min_p=real("min_p", cls.min_p), presence_penalty=real("presence_penalty", 0.0),
-                       frequency_penalty=real("frequency_penalty", 0.0),
-                       repetition_penalty=real("repetition_penalty", 1.0), logit_bias=tuple(bias),
-                       stop_token_ids=tuple(_id(t, "stop_token_ids") for t in listed("stop_token_ids")))
+        max_tokens = msg.number("max_tokens") if msg.get("max_tokens") is not None else cls.max_tokens
+        keys = tuple((k, v) for k, v in msg.fields if k in SAMPLING_KEYS)
+        try:
+            fields_of(keys)
+        except ValueError as exc:
+            raise WireError(str(exc)) from None
+        sampling = cls(max_tokens, real("temperature", cls.temperature), real("top_p", cls.top_p), keys)
         GenerationRequest.of("", **sampling.kwargs())  # BadRequest, in the engine's words, for a value out of range
         return sampling
 
     def kwargs(self) -> dict:
-        return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, seed=self.seed,
-                    top_k=self.top_k, min_p=self.min_p, presence_penalty=self.presence_penalty,
-                    frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                    logit_bias=dict(self.logit_bias), stop_token_ids=self.stop_token_ids)
+        return dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                    **fields_of(self.keys))
 
     def fields(self) -> dict:
-        """The keys that say this sampling (those at their defaults left out)."""
-        out = {k: repr(v) if isinstance(v, float) else str(v) for k, v in self.kwargs().items()
-               if not isinstance(v, dict | tuple) and v is not None and v != getattr(Sampling, k, None)}
-        out["max_tokens"] = str(self.max_tokens)
-        if self.logit_bias:
-            out["logit_bias"] = ",".join(f"{t}:{v!r}" for t, v in self.logit_bias)
-        if self.stop_token_ids:
-            out["stop_token_ids"] = ",".join(map(str, self.stop_token_ids))
-        return out
+        return {"max_tokens": str(self.max_tokens), "temperature": repr(self.temperature),
+                "top_p": repr(self.top_p), **dict(self.keys)}
 
 
 def _number(value: str, key: str) -> float:
@@ -119,12 +90,6 @@ def _number(value: str, key: str) -> float:
     if not math.isfinite(number):
         raise WireError(f"{key}: not a number")
     return number
-
-
-def _id(value: str, key: str) -> int:
-    if not (value.isascii() and value.isdigit() and len(value) <= 10):
-        raise WireError(f"{key}: {value!r} is not a token id")
-    return int(value)
 
 
 def ms_since(started: float) -> int:

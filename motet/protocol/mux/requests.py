@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .lines import MAX_PATH, MAX_PAYLOAD, LineBuffer, _u64
+from .options import parse_options
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,7 @@ class Submit:
     top_p: float
     payload: bytes
     grammar: bytes | None = None
+    options: tuple[tuple[str, str], ...] = ()  # [extension] options.py: key=value words after the fields
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,8 @@ class RequestDecoder(RequestReader):
         return Malformed(0, f"unknown or malformed request {kind!r}")
 
     def _submit_header(self, args: list[str]):
+        first = next((i for i, a in enumerate(args) if "=" in a), len(args))
+        args, words = args[:first], args[first:]  # the fields, then the options
         if len(args) not in (6, 7):
             raise ValueError(f"SUBMIT takes 6 or 7 fields, got {len(args)}")
         rid = _u64(args[0], "id", nonzero=True)
@@ -174,6 +178,7 @@ class RequestDecoder(RequestReader):
             raise ValueError("payload size out of range")
         try:
             fields = (int(args[1]), int(args[3]), float(args[4]), float(args[5]))
+            options = parse_options(words)
         except ValueError as exc:
             problem = str(exc)
             return self._expect(n + (grammar or 0), lambda body: Malformed(rid, problem), BadFrame(rid))
@@ -181,7 +186,7 @@ class RequestDecoder(RequestReader):
         def submit(body: bytes) -> Submit:
             slot, max_tokens, temperature, top_p = fields
             return Submit(rid, slot, max_tokens, temperature, top_p, body[:n],
-                          body[n:] if grammar is not None else None)
+                          body[n:] if grammar is not None else None, options)
 
         return self._expect(n + (grammar or 0), submit, BadFrame(rid))
 
@@ -227,7 +232,9 @@ _SLOT_PAYLOADS = {  # the request kinds with a slot and a byte-counted payload
 
 def encode_submit(s: Submit) -> bytes:
     grammar = f" {len(s.grammar)}" if s.grammar is not None else ""
-    head = f"SUBMIT {s.request_id} {s.slot} {len(s.payload)} {s.max_tokens} {s.temperature:g} {s.top_p:g}{grammar}\n"
+    options = "".join(f" {key}={value}" for key, value in s.options)
+    head = (f"SUBMIT {s.request_id} {s.slot} {len(s.payload)} {s.max_tokens} {s.temperature:g} {s.top_p:g}"
+            f"{grammar}{options}\n")
     return head.encode() + s.payload + (s.grammar or b"") + b"\n"
 
 
