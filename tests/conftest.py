@@ -98,6 +98,19 @@ def tiny_model():
     return get
 
 
+def tiny_llama_with_template(folder: Path, template: str):
+    """The tiny llama copied into `folder` with `template` as its chat template, loaded."""
+    import json
+    import shutil
+
+    from motet.model import load_model
+
+    shutil.copytree(GOLDEN / "llama", folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return load_model(folder)
+
+
 # ---- markers: make test-fast runs the rest ---------------------------------------------
 
 SLOW_TESTS = frozenset(

@@ -5,16 +5,12 @@ template that opens the block unless `enable_thinking` is false."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from functools import partial
 
 import openai
 import pytest
-from conftest import GOLDEN
+from conftest import tiny_llama_with_template
 from test_http import in_thread, sync_client, tiny_server
-
-from motet.model import load_model
 
 THINKING = (
     "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -27,11 +23,7 @@ ASK = [{"role": "user", "content": "Is the sea blue?"}]
 
 @pytest.fixture(scope="module")
 def thinking_llama(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("thinking") / "llama"
-    shutil.copytree(GOLDEN / "llama", folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINKING}))
-    return load_model(folder)
+    return tiny_llama_with_template(tmp_path_factory.mktemp("thinking") / "llama", THINKING)
 
 
 async def test_reasoning_apart_streamed_and_not_and_enable_thinking(thinking_llama):

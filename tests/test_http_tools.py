@@ -8,17 +8,14 @@ format forced by a grammar (`--tool-parser`); bad fields are 400s naming them.""
 from __future__ import annotations
 
 import json
-import shutil
 from functools import partial
 
 import httpx
 import jsonschema
 import pytest
 import test_http
-from conftest import GOLDEN
+from conftest import tiny_llama_with_template
 from test_http import in_thread, sync_client, tiny_server
-
-from motet.model import load_model
 
 serve_smol = test_http.serve_smol  # the fixture: the default model's server on either backend
 
@@ -106,11 +103,7 @@ QWEN_TOOLS = (  # the shape of Qwen's template: tools in the system turn, calls 
 
 @pytest.fixture(scope="module")
 def tool_llama(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tools") / "llama"
-    shutil.copytree(GOLDEN / "llama", folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": QWEN_TOOLS}))
-    return load_model(folder)
+    return tiny_llama_with_template(tmp_path_factory.mktemp("tools") / "llama", QWEN_TOOLS)
 
 
 ONE_UNIT = [{"type": "function", "function": {"name": "convert", "parameters": {

@@ -10,8 +10,9 @@ import pytest
 import trio
 
 from motet.engines.engine import Engine
-from motet.model.generate import decode_step, prefill_slot
+from motet.model.generate import decode_step, generate, prefill_slot
 from motet.model.kv import KVGeometry, init_kv
+from motet.runtime.api import Grammar
 from motet.runtime.config import ExpertSettings
 from motet.runtime.errors import BadRequest
 
@@ -81,6 +82,21 @@ async def test_penalized_rows_answer_as_the_reference_in_one_batch(tiny_model, e
     assert got == want
     plain = [reference(model, list(engine.encode(prompt)), {}) for prompt, _ in ROWS[:3]]
     assert all(a != b for a, b in zip(want, plain))  # each penalty changed its row's answer
+
+
+def test_the_plain_generator_takes_the_penalties_the_bias_and_a_grammar(tiny_model):
+    """model.generate, one step at a time: the same greedy tokens as the reference for
+    each row's penalties, and a grammar's choice."""
+    model = tiny_model("qwen3_moe")
+    for prompt, fields in ROWS:
+        ids = list(model.tokenizer.encode(prompt, add_special=True))
+        bias = tuple(fields.get("logit_bias", {}).items())
+        rest = {k: v for k, v in fields.items() if k != "logit_bias"}
+        assert list(generate(model, ids, max_tokens=NEW, logit_bias=bias, **rest)) == reference(model, ids, fields)
+    ids = list(model.tokenizer.encode("the sea is", add_special=True))
+    chosen = model.tokenizer.decode(list(generate(model, ids, max_tokens=NEW,
+                                                  grammar=Grammar("choice", '["blue", "green"]'))))
+    assert chosen in ("blue", "green")
 
 
 async def test_a_second_turn_in_the_slot_penalizes_the_whole_prompt(tiny_model):

@@ -361,7 +361,7 @@ async def test_malformed_requests_get_the_exact_sentence_and_the_worker_serves_o
             f"a frame of {wire.MAX_FRAME + 1} payload bytes is over the limit of {wire.MAX_FRAME}"
         assert await error_of(mono, struct.pack("<I", 0)) == "a frame of length 0 has no kind byte"
         assert await error_of(mono, request_frame(K_GEN, b"max_tokens=two\n\nhi")) == "max_tokens: not a number"
-        assert await error_of(mono, request_frame(K_GEN, b"top_p=nan\n\nhi")) == "top_p: not a number"
+        assert await error_of(mono, request_frame(K_GEN, b"top_p=nan\n\nhi")) == "top_p: 'nan' is not a number"
         assert await error_of(mono, request_frame(K_GEN, b"logit_bias=5\n\nhi")) == "logit_bias: '5' is not token:value"
         assert await error_of(mono, request_frame(K_GEN, b"stop_token_ids=1,x\n\nhi")) == \
             "stop_token_ids: 'x' is not a whole number"

@@ -9,12 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..runtime.api import Grammar
 from .errors import ContextLengthError
 from .forward import decode, decode_sampled, prefill
 from .kv import KVGeometry, batch_bucket, bucket, init_kv
 from .kv_writes import write_chunk, write_rows
+from .logit_history import begin, empty_history, sample_with_history, start_rows
 from .model import Model
-from .sampling import SAMPLED_WIDTH, request_key, sample, unpack_sampled
+from .sampling import SAMPLED_WIDTH, open_mask, request_key, unpack_sampled
 from .sharding import kv_sharding, mesh_of
 
 
@@ -130,11 +132,14 @@ def read_decode(model: Model, packed, rows: int):
 
 
 def generate(model: Model, prompt_ids: Sequence[int], *, max_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int = 0,
+             top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int = 0, presence_penalty: float = 0.0,
+             frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+             logit_bias: Sequence[tuple[int, float]] = (), grammar: Grammar | None = None,
              max_context: int | None = None, chunk: int = 512) -> Iterator[int]:
-    """Yield sampled token ids one by one until an end-of-turn token, max_tokens or the
-    end of the context (prompt and answer together at most the context). The
-    end-of-turn token itself is not yielded."""
+    """Yield sampled token ids one by one until an end-of-turn token, max_tokens, the
+    end of the context (prompt and answer together at most the context) or a token
+    the grammar refuses (a grammar that leaves none). The end-of-turn token itself is
+    not yielded. The penalties, the bias and the grammar mean what the engine's do."""
     limit = min(max_context or model.config.max_context, model.config.max_context)
     if len(prompt_ids) == 0:
         raise ValueError("the prompt is empty")
@@ -147,11 +152,21 @@ def generate(model: Model, prompt_ids: Sequence[int], *, max_tokens: int, temper
     key = request_key(seed)[None]
     cuts = (jnp.asarray([temperature], jnp.float32), jnp.asarray([top_p], jnp.float32),
             jnp.asarray([top_k], jnp.int32), jnp.asarray([min_p], jnp.float32))
-    position = len(prompt_ids)
+    vocab = model.config.vocab_size
+    history = begin(empty_history(1, vocab), np.int32(0), *start_rows(vocab, prompt_ids, tuple(logit_bias)))
+    penalties = tuple(np.asarray([v], np.float32) for v in (presence_penalty, frequency_penalty, repetition_penalty))
+    penalties += (np.asarray([True]),)
+    constraint = model.grammars.compile(grammar) if grammar is not None else None
+    position, fed = len(prompt_ids), -1
     eos = model.tokenizer.eos_ids
     for _ in range(max_tokens):
-        token, _, key, _, _ = sample(logits, *cuts, key)
-        token_id = int(token[0])
+        allowed = open_mask(1, vocab) if constraint is None else constraint.allowed()[None]
+        history, (token, _, key, _, _) = sample_with_history(logits, (*cuts, key), False, history,
+                                                             np.zeros(1, np.int32), np.asarray([fed], np.int32),
+                                                             penalties, allowed)
+        token_id = fed = int(token[0])
+        if constraint is not None and not constraint.accept(token_id):
+            return
         if token_id in eos:
             return
         yield token_id

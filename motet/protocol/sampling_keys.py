@@ -29,7 +29,7 @@ def fields_of(pairs) -> dict:
         elif key == "stop_token_ids":
             fields[key] = tuple(_whole(item, key) for item in _items(value))
         else:
-            fields[key] = _real(value, key)
+            fields[key] = read_real(value, key)
     return fields
 
 
@@ -59,7 +59,7 @@ def _pair(item: str) -> tuple[int, float]:
     token, sep, bias = item.partition(":")
     if not sep:
         raise ValueError(f"logit_bias: {item!r} is not token:value")
-    return _whole(token, "logit_bias"), _real(bias, "logit_bias")
+    return _whole(token, "logit_bias"), read_real(bias, "logit_bias")
 
 
 def _whole(value: str, key: str) -> int:
@@ -68,7 +68,8 @@ def _whole(value: str, key: str) -> int:
     return int(value)
 
 
-def _real(value: str, key: str) -> float:
+def read_real(value: str, key: str) -> float:
+    """A finite number, or ValueError naming `key`."""
     try:
         number = float(value)
     except ValueError:

@@ -16,14 +16,13 @@ concurrently, each request in a KV slot of its own.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, replace
 
 import trio
 
 from ..protocol import wire
-from ..protocol.sampling_keys import SAMPLING_KEYS, fields_of
+from ..protocol.sampling_keys import SAMPLING_KEYS, fields_of, read_real
 from ..protocol.session_file import SessionHeader
 from ..protocol.wire import K_DECODE, K_ERROR, K_FIRST, K_GEN, K_PREFILL, K_RESULT, Frame, Msg, WireError
 from ..runtime.addresses import format_address, parse_address
@@ -61,7 +60,10 @@ class Sampling:
     def from_msg(cls, msg: Msg) -> Sampling:
         def real(key: str, default: float) -> float:
             value = msg.get(key)
-            return default if value is None else _number(value, key)
+            try:
+                return default if value is None else read_real(value, key)
+            except ValueError as exc:
+                raise WireError(str(exc)) from None
 
         max_tokens = msg.number("max_tokens") if msg.get("max_tokens") is not None else cls.max_tokens
         keys = tuple((k, v) for k, v in msg.fields if k in SAMPLING_KEYS)
@@ -80,16 +82,6 @@ class Sampling:
     def fields(self) -> dict:
         return {"max_tokens": str(self.max_tokens), "temperature": repr(self.temperature),
                 "top_p": repr(self.top_p), **dict(self.keys)}
-
-
-def _number(value: str, key: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        number = math.nan
-    if not math.isfinite(number):
-        raise WireError(f"{key}: not a number")
-    return number
 
 
 def ms_since(started: float) -> int:
