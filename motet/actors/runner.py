@@ -231,7 +231,7 @@ class ModelRunner:
         return sampled_rows(list(step.rows), drawn, experts)
 
     def sample_logits(self, logits, rows: list[SamplingRow], experts: np.ndarray, slots: Sequence[int],
-                fed: Sequence[int] = ()) -> list[Sampled]:
+                      fed: Sequence[int] = ()) -> list[Sampled]:
         """logits [bucket, vocab]: the rows, then padding rows. experts: as sampled_rows.
         slots: the rows' own; fed: the tokens a decode step fed them (none after a prefill),
         counted in their history before the rows that read it are penalized."""

@@ -144,6 +144,7 @@ def warm_up(runner: ModelRunner, plan: WarmupPlan, progress: Callable[[str, int,
     runner.wait_ready()
     runner.sample_seconds = 0.0
 
+
 def _lowerings(runner: ModelRunner, plan: WarmupPlan):
     """(shape, lower) of the big steps of the plan's shapes: the model's prefill and
     decode (tiered: those over the pools)."""
@@ -155,6 +156,7 @@ def _lowerings(runner: ModelRunner, plan: WarmupPlan):
         lower = {PREFILL: lower_prefill, DECODE: decode}.get(shape.kind)
         if lower is not None:
             yield shape, partial(lower, weights, k, v, shape.size, cfg=runner.model.config, moe_impl=impl)
+
 
 def _warm_shape(runner: ModelRunner, shape: WarmShape) -> None:
     """Run one shape on the scratch slot, past a block of history where the context

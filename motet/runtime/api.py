@@ -3,7 +3,7 @@ and embedding programs see. Both the in-process Engine and a mux client speak th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Literal
 
 # "grammar": the request's grammar left no token to sample (Grammar)
@@ -81,11 +81,6 @@ class GenerationRequest:
             fields["stop_token_ids"] = tuple(fields["stop_token_ids"])
         return cls(prompt=prompt if isinstance(prompt, str) else tuple(prompt),
                    stop=(stop,) if isinstance(stop, str) else tuple(stop), **fields)
-
-    def set_fields(self, names: tuple[str, ...]) -> list[str]:
-        """Those of `names` whose value is not the default (what an engine that lacks them
-        refuses)."""
-        return [f.name for f in fields(self) if f.name in names and getattr(self, f.name) != f.default]
 
     @property
     def uses_history(self) -> bool:
