@@ -53,27 +53,34 @@ def streamed_calls(chunks) -> list[tuple[str, dict]]:
     return [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
 
 
-async def test_required_named_auto_and_none_from_the_official_client(serve_smol):
+CHOICES = {"required": dict(tool_choice="required"),
+           "named": dict(tool_choice={"type": "function", "function": {"name": "add"}}, parallel_tool_calls=False),
+           "auto": {}, "none": dict(tool_choice="none")}
+
+
+async def test_required_named_auto_and_none_streamed_and_not_from_the_official_client(serve_smol):
+    whole, streamed = {}, {}
     async with serve_smol() as (engine, url):
         client = sync_client(url)
         chat = partial(client.chat.completions.create, model="smol", messages=ASK, max_tokens=60,
                        temperature=0, tools=TOOLS)
-        required = await in_thread(chat, tool_choice="required")
-        chunks = await in_thread(lambda: list(chat(tool_choice="required", stream=True)))
-        named = await in_thread(chat, tool_choice={"type": "function", "function": {"name": "add"}},
-                                parallel_tool_calls=False)
-        auto = await in_thread(chat)
-        none = await in_thread(chat, tool_choice="none")
-    message = required.choices[0].message
-    calls = checked(message.tool_calls)
-    assert calls and required.choices[0].finish_reason == "tool_calls" and message.content is None
-    assert streamed_calls(chunks) == calls  # greedy both times
-    assert chunks[-1].choices == [] or chunks[-1].choices[0].finish_reason is not None
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
-    assert [name for name, _ in checked(named.choices[0].message.tool_calls)] == ["add"]
-    answer = auto.choices[0].message  # the model decides: a call that parses, or words
-    assert (answer.tool_calls and checked(answer.tool_calls)) or answer.content
-    assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
+        for name, fields in CHOICES.items():
+            whole[name] = await in_thread(chat, **fields)
+            streamed[name] = await in_thread(lambda fields=fields: list(chat(stream=True, **fields)))
+    for name, answer in whole.items():  # greedy: the stream says what the whole answer says
+        message, chunks = answer.choices[0].message, streamed[name]
+        calls = checked(message.tool_calls or [])
+        assert streamed_calls(chunks) == calls, name
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (message.content or ""), name
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert reasons == [answer.choices[0].finish_reason], name
+    required = whole["required"].choices[0]
+    assert checked(required.message.tool_calls) and required.finish_reason == "tool_calls"
+    assert required.message.content is None
+    assert [name for name, _ in checked(whole["named"].choices[0].message.tool_calls)] == ["add"]
+    auto = whole["auto"].choices[0].message  # the model decides: a call that parses, or words
+    assert (auto.tool_calls and checked(auto.tool_calls)) or auto.content
+    assert whole["none"].choices[0].message.tool_calls is None and whole["none"].choices[0].message.content
 
 
 async def test_a_call_and_its_result_go_back_through_the_template(serve_smol):
