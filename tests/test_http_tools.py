@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 import test_http
 from conftest import tiny_llama_with_template
-from test_http import in_thread, sync_client, tiny_server
+from test_http import engine_server, in_thread, sync_client, tiny_server
 
 serve_smol = test_http.serve_smol  # the fixture: the default model's server on either backend
 
@@ -83,12 +83,13 @@ async def test_required_named_auto_and_none_streamed_and_not_from_the_official_c
     assert whole["none"].choices[0].message.tool_calls is None and whole["none"].choices[0].message.content
 
 
-async def test_a_call_and_its_result_go_back_through_the_template(serve_smol):
+async def test_a_call_and_its_result_go_back_through_the_template(default_model):
+    """The server renders the conversation, whichever engine it drives: the in-process one here."""
     history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
                    {"id": "call_1", "type": "function",
                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 degrees"}]
-    async with serve_smol() as (engine, url):
+    async with engine_server(default_model, test_http.SMOL) as (engine, url):
         client = sync_client(url)
         answer = await in_thread(client.chat.completions.create, model="smol", messages=history, max_tokens=24,
                                  temperature=0, tools=TOOLS)
