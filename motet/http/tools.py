@@ -32,7 +32,7 @@ NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 @dataclass(frozen=True)
 class Tools:
     functions: tuple[dict, ...]  # {"name", "description", "parameters"} each
-    choice: str  # "auto" or "required" ("none" reads as no tools)
+    choice: str  # "auto" or "required" (a named choice too; "none" reads as no tools)
     named: str | None = None  # the function a named choice asks for
     parallel: bool = True
 
@@ -41,7 +41,7 @@ class Tools:
 
     @property
     def forced(self) -> bool:
-        return self.choice == "required" or self.named is not None
+        return self.choice == "required"
 
 
 def parse_tools(body: dict) -> Tools | None:
