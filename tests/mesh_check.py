@@ -309,7 +309,7 @@ def check_tiered(arch: str = "qwen3_moe") -> list[dict]:
         plan = ExpertPlan("tiered", sum(cfg.moe_layers), cfg.n_experts, slots, None, 1)
         runner = ModelRunner(resident, TIERED_GEO, plan, mesh=layout)
         greedy_row = SamplingRow(0.0, 1.0, 0, 0.0, ModelRunner.new_key(0), False)
-        tokens = _tiered_greedy(lambda ids: runner.prefill(1, ids, 0, greedy_row).token,
+        tokens = _tiered_greedy(lambda ids: runner.prefill(1, ids, 0, greedy_row)[0].token,
                                 lambda token, at: runner.decode([token], [1], [at], [greedy_row])[0].token, prompt)
         runner.take_expert_step()  # adds the run's lookups and hits to its totals
         results.append({"arch": arch, "layout": layout, "how": "runner", "tokens": tokens, "one_device": want,

@@ -19,6 +19,7 @@ from motet.actors.runner import ModelRunner
 from motet.actors.step_rows import SamplingRow
 from motet.engines.engine import Engine
 from motet.model.generate import generate
+from motet.runtime.api import TokenEvent
 
 SAMPLED = dict(temperature=0.8, top_p=0.95)
 
@@ -44,7 +45,7 @@ def test_chained_steps_draw_what_host_fed_steps_draw(tiny_model, arch):
     runner = ModelRunner(model, TINY_GEO)
     prompt = prompt_of(model, 9, 1)
     key = runner.new_key(7)
-    first = [runner.prefill(slot, prompt, 0, row(key)) for slot in (0, 1)]
+    first = [runner.prefill(slot, prompt, 0, row(key))[0] for slot in (0, 1)]
     assert as_tuple(first[0]) == as_tuple(first[1])
 
     host, sampled = [], first[0]
@@ -82,7 +83,7 @@ def test_a_deferred_step_samples_with_the_mask_of_the_token_before(tiny_model):
 
     prompt = prompt_of(model, 9, 2)
     key = runner.new_key(5)
-    first = [runner.prefill(slot, prompt, 0, row(key), (tuple(prompt), ())) for slot in (0, 1)]
+    first = [runner.prefill(slot, prompt, 0, row(key), (tuple(prompt), ()))[0] for slot in (0, 1)]
 
     host, sampled = [], first[0]
     for i in range(6):
@@ -112,7 +113,7 @@ def test_a_step_mixes_chained_rows_rows_from_the_host_and_rows_left_out(tiny_mod
     runner = ModelRunner(model, TINY_GEO)
     prompts = {slot: prompt_of(model, 5 + slot, slot) for slot in (2, 3, 5)}
     keys = {slot: runner.new_key(slot) for slot in prompts}
-    first = {slot: runner.prefill(slot, p, 0, row(keys[slot], want_top=False)) for slot, p in prompts.items()}
+    first = {slot: runner.prefill(slot, p, 0, row(keys[slot], want_top=False))[0] for slot, p in prompts.items()}
 
     def alone(slot, steps):
         out, s = [], first[slot]
@@ -167,3 +168,76 @@ async def test_the_engine_draws_what_the_plain_generator_draws(tiny_model, arch)
                 nursery.start_soon(partial(one, "long", prompt, max_tokens=20, seed=42, **SAMPLED))
     assert list(alone.token_ids) == expected
     assert together["long"].token_ids == alone.token_ids
+
+
+def test_forks_of_a_prompt_draw_what_the_prompt_prefilled_in_their_own_slot_draws(tiny_model):
+    """An n > 1 request's other choices: slot 0 prefills the prompt and hands slots 1 and
+    2 a copy of its KV and its history (a presence penalty reads it); each samples its
+    first token from the same logits with its own key and decodes on. Each draws what
+    the prompt prefilled in a slot of its own (6 and 7) draws with that key."""
+    model = tiny_model("qwen3_moe")
+    runner = ModelRunner(model, TINY_GEO)
+    prompt = prompt_of(model, 21, 3)
+    keys = [runner.new_key(seed) for seed in (11, 12, 13)]
+
+    def penalized(key) -> SamplingRow:
+        return replace(row(key), presence=1.5, uses_history=True)
+
+    history = (tuple(prompt), ())
+    forked = runner.prefill(0, prompt, 0, penalized(keys[0]), history,
+                            forks=[(1, penalized(keys[1])), (2, penalized(keys[2]))])
+    alone = [runner.prefill(slot, prompt, 0, penalized(key), history)[0] for slot, key in ((6, keys[1]), (7, keys[2]))]
+    assert [s.token for s in forked[1:]] == [s.token for s in alone]
+    assert [s.logprob for s in forked[1:]] == [s.logprob for s in alone]
+
+    def run(slots: list[int], first) -> list[list[int]]:
+        tokens, sampled = [[s.token] for s in first], list(first)
+        for i in range(5):
+            sampled = runner.decode([s.token for s in sampled], slots, [len(prompt) + i] * len(slots),
+                                    [penalized(s.next_key) for s in sampled])
+            for out, s in zip(tokens, sampled):
+                out.append(s.token)
+        return tokens
+
+    assert run([1, 2], forked[1:]) == run([6, 7], alone)
+    assert len({tuple(t) for t in run([0, 1, 2], runner.prefill(0, prompt, 0, penalized(keys[0]), history,
+                                                               forks=[(1, penalized(keys[1])), (2, penalized(keys[2]))]))}) > 1
+
+
+async def test_n_choices_draw_what_each_seed_draws_alone_from_one_prefill(tiny_model):
+    """engine.choices: the prompt is prefilled once, the other choices start from copies
+    of its KV (their stats say all the prompt was reused), and choice i draws what the
+    plain generator draws with seed + i. Nothing compiles after ready: the KV copy is
+    warmed up. With fewer free slots than choices, the rest queue and read the prompt
+    themselves; leaving the block early cancels every choice."""
+    model = tiny_model("qwen3_moe")
+    prompt = prompt_of(model, 11, 5)
+    expected = [list(generate(model, prompt, max_tokens=12, seed=42 + i, **SAMPLED)) for i in range(3)]
+    greedy = list(generate(model, prompt, max_tokens=12))
+
+    async def run(engine, **kwargs):
+        got: list[list[int]] = [[], [], []]
+        async with engine.choices(prompt, 3, max_tokens=12, **kwargs) as choices:
+            async for i, event in choices:
+                if isinstance(event, TokenEvent):
+                    got[i].append(event.token_id)
+        return got, [finish.stats for finish in choices.finishes]
+
+    with trio.fail_after(240):
+        async with Engine(model, kv_slots=4, max_context=TINY_GEO.max_context, prefill_chunk=16) as engine:
+            got, stats = await run(engine, seed=42, **SAMPLED)
+            assert got == expected
+            assert len({tuple(tokens) for tokens in got}) > 1
+            assert [s.reused_tokens for s in stats] == [0, len(prompt), len(prompt)]
+            assert len({s.slot for s in stats}) == 3
+            assert engine.startup().compiles_after_ready == 0
+
+            async with engine.choices(prompt_of(model, 9, 6), 3, max_tokens=100, **SAMPLED) as choices:
+                async for _ in choices:
+                    break
+            while engine.statistics().running:
+                await trio.sleep(0.01)
+        async with Engine(model, kv_slots=2, max_context=TINY_GEO.max_context, prefill_chunk=16) as engine:
+            got, stats = await run(engine)
+            assert got == [greedy] * 3
+            assert [s.reused_tokens for s in stats] == [0, len(prompt), len(prompt) - 1]

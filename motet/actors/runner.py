@@ -16,7 +16,7 @@ from ..model.expert_pool import DEVICE, ExpertPool, ExpertReader, Placement
 from ..model.expert_source import ArrayExpertReader
 from ..model.forward import empty_carry
 from ..model.generate import dispatch_decode, model_kv_sharding, padded_rows, prefill_slot, read_decode
-from ..model.kv import KVGeometry, batch_bucket, init_kv, read_slot_layer, write_slot_layer
+from ..model.kv import KVGeometry, batch_bucket, copy_slot, init_kv, read_slot_layer, write_slot_layer
 from ..model.logit_history import begin, empty_history, resample, sample_with_history, start_rows
 from ..model.model import Model
 from ..model.sampling import open_mask, request_key, sample
@@ -128,18 +128,31 @@ class ModelRunner:
         if self.mirror is not None:
             self.mirror(encode(op, args, MIRROR_RECORDS))
 
-    def prefill(self, slot: int, ids: list[int], offset: int, row: SamplingRow, history=None) -> Sampled:
+    def prefill(self, slot: int, ids: list[int], offset: int, row: SamplingRow, history=None,
+                forks: Sequence[tuple[int, SamplingRow]] = ()) -> list[Sampled]:
         """Run `ids` (at most one chunk) into `slot` at `offset` and sample the next token
         from the last one's logits. history: (the whole prompt, the logit bias) a request
-        that reads its LogitHistory starts its slot's with (Active.history_start)."""
-        self._mirror(Op.PREFILL, slot, ids, offset, row, history)
+        that reads its LogitHistory starts its slot's with (Active.history_start).
+        forks: (slot, row) of the other choices of an n > 1 request, whose prompt this
+        chunk ends: each gets a copy of the slot's KV and its own history, and samples
+        its own first token from the same logits. Returns the Sampled of `row`, then
+        of each fork."""
+        self._mirror(Op.PREFILL, slot, ids, offset, row, history, [list(fork) for fork in forks])
+        starts = [slot, *(fork_slot for fork_slot, _ in forks)]
         if history is not None:
             seen, bias = start_rows(self.model.config.vocab_size, *history)
-            self.history = begin(self.history, np.int32(slot), seen, bias)
+            for start in starts:
+                self.history = begin(self.history, np.int32(start), seen, bias)
         logits, experts = self._extend(slot, ids, offset)
+        for fork_slot, _ in forks:
+            self.kv = copy_slot(self.kv, np.int32(slot), np.int32(fork_slot))
         # the prompt's routing counts toward the first token: [layers, k·len(ids)]
         layers, tokens, k = experts.shape
-        return self.sample_logits(logits[None], [row], experts.reshape(1, layers, tokens * k), [slot])[0]
+        routing = experts.reshape(1, layers, tokens * k)
+        sampled = self.sample_logits(logits[None], [row], routing, [slot])
+        for fork_slot, fork_row in forks:  # a row at a time: the one-row sampler is compiled already
+            sampled += self.sample_logits(logits[None], [fork_row], routing[:, :, :0], [fork_slot])
+        return sampled
 
     def extend(self, slot: int, ids: list[int], offset: int):
         """Run a chunk into the cache: (logits after its last token, routing [layers, t, k])."""

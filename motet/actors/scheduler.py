@@ -13,7 +13,6 @@ import logging
 import time
 from collections import deque
 
-import numpy as np
 import trio
 
 from ..model.detokenizer import IncrementalDetokenizer
@@ -22,21 +21,18 @@ from ..runtime.api import (
     EngineStatistics,
     FinishEvent,
     FinishReason,
-    StepRouting,
-    Telemetry,
     TokenEvent,
     TopCandidate,
-    TurnReport,
     TurnStats,
 )
 from ..runtime.errors import QueueFull
-from ..runtime.experts import turn_entropy, turn_perf
 from ..runtime.slot_table import SlotTable
-from .active_request import Active, add_routing, tell
-from .expert_cache import ExpertCache, TurnEnded
-from .kv_slot import Claim, Extend, KVSlot, Release
+from .active_request import Active, tell
+from .expert_cache import ExpertCache
+from .kv_slot import Claim, Extend, KVSlot, Release, SetHistory
 from .policy import StopMatcher, refusal
-from .runner import ExpertStep, ModelRunner
+from .publisher import Publisher
+from .runner import ModelRunner
 from .scheduler_messages import Accepted, Cancel, Drain, StopNow, Submit, Subscribe, refuse_queued
 from .slot_io import FreeSlot, HoldSlot, ReadLayers, WriteLayers
 from .slot_transfers import SlotTransfers, Transfer
@@ -57,19 +53,18 @@ class Scheduler:
         # and the requests waiting for one, admitted in order as slots free up
         self.table: SlotTable[Submit | Transfer] = SlotTable(len(slots), queue_limit)
         self.max_context = runner.geo.max_context
-        cfg = runner.model.config
-        self.expert_zeros = np.zeros((sum(cfg.moe_layers), cfg.n_experts), np.int64)
-        self.dense_layers = 0 if cfg.is_moe else cfg.n_layers
+        self.publisher = Publisher(runner, experts)
         self.chunk = runner.geo.chunk
         self.inbox = open_inbox()
         self.active: dict[int, Active] = {}
         self.prefilling: deque[int] = deque()
         self.decoding: list[int] = []
-        self.telemetry_subscribers: list[trio.MemorySendChannel] = []
         self.limiter = trio.CapacityLimiter(1)  # the one thread that touches the device
         self.closing = False
         self.drained: list[trio.MemorySendChannel] = []
         self.transfers = SlotTransfers(slots, self.table, runner, self.limiter)
+        # per request with n > 1 choices whose prompt is not prefilled yet, its other choices
+        self.forks: dict[int, list[Submit]] = {}
         # a decode step dispatched and not yet read back: its rows and the runner's handle
         self.ahead: tuple[list[Active], DecodeInFlight] | None = None
 
@@ -95,8 +90,10 @@ class Scheduler:
             refuse_queued(self.inbox.receive)
             for act in self.active.values():
                 act.submit.events.close()
-            for sub in self._queued():
+            for sub in self._queued() + [fork for forks in self.forks.values() for fork in forks]:
                 sub.events.close()
+                for fork in sub.forks:
+                    fork.events.close()
 
     def _notify_drained(self):
         if self.closing and not self.active and not self.table.queue:
@@ -121,7 +118,7 @@ class Scheduler:
                 if reply is not None:
                     reply.send_nowait(found)
             case Subscribe(channel):
-                self.telemetry_subscribers.append(channel)
+                self.publisher.subscribers.append(channel)
             case Drain(reply):
                 self.closing = True
                 self.drained.append(reply)
@@ -144,7 +141,8 @@ class Scheduler:
         return [sub for sub, _ in self.table.queue if isinstance(sub, Submit)]
 
     def in_flight(self) -> set[int]:
-        return set(self.active) | {s.request_id for s in self._queued()}
+        waiting = self._queued() + [fork for forks in self.forks.values() for fork in forks]
+        return set(self.active) | {s.request_id for s in waiting}
 
     # ---- admission ------------------------------------------------------------------
 
@@ -178,21 +176,40 @@ class Scheduler:
         """Start a request on the slot the table holds for it."""
         send, recv = open_reply()
         await self.slots[slot].inbox.send.send(Claim(sub.prompt, send))
-        reused = await recv.receive()
-        req = sub.request
-        seed = req.seed if req.seed is not None else sub.request_id
-        act = Active(
-            submit=sub, slot=slot, reused=reused, cursor=reused,
-            detok=IncrementalDetokenizer(self.tokenizer), stops=StopMatcher(req.stop),
-            key=self.runner.new_key(seed), started=time.perf_counter(),
-            expert_counts=self.expert_zeros.copy(),
-            target=len(sub.prompt) - 1 if req.prefill_only else len(sub.prompt),
-        )
-        self.active[sub.request_id] = act
+        self.active[sub.request_id] = act = self._active(sub, slot, await recv.receive())
+        if sub.forks:
+            self.forks[sub.request_id] = list(sub.forks)
         if act.cursor >= act.target:  # a prefill-only request the slot already holds
             await self._finish(act, "prefilled")
             return
         self.prefilling.append(sub.request_id)
+
+    def _active(self, sub: Submit, slot: int, reused: int) -> Active:
+        req = sub.request
+        seed = req.seed if req.seed is not None else sub.request_id
+        return Active(
+            submit=sub, slot=slot, reused=reused, cursor=reused,
+            detok=IncrementalDetokenizer(self.tokenizer), stops=StopMatcher(req.stop),
+            key=self.runner.new_key(seed), started=time.perf_counter(),
+            expert_counts=self.publisher.expert_zeros.copy(),
+            target=len(sub.prompt) - 1 if req.prefill_only else len(sub.prompt),
+        )
+
+    async def _take_fork_slots(self, act: Active) -> list[Active]:
+        """The other choices of `act`, whose prompt's last chunk runs next: each that gets
+        a free slot starts there from the copy of act's KV that the chunk makes; the
+        rest queue as requests of their own."""
+        forks = []
+        for sub in self.forks.pop(act.rid, []):
+            slot = self.table.pick(sub.prompt)
+            if slot is None:
+                await self._submit(sub)
+                continue
+            self.table.hold(slot, sub)
+            self.active[sub.request_id] = fork = self._active(sub, slot, len(sub.prompt))
+            fork.position = len(sub.prompt)
+            forks.append(fork)
+        return forks
 
     # ---- device work ----------------------------------------------------------------
 
@@ -202,26 +219,32 @@ class Scheduler:
         chunk = list(prompt[act.cursor : min(act.cursor + self.chunk, act.target)])
         last = act.cursor + len(chunk) == act.target
         started, sampling = time.perf_counter(), self.runner.sample_seconds
+        forks = await self._take_fork_slots(act) if last and not act.request.prefill_only else []
+        fork_sampled: list[Sampled] = []
         if last and not act.request.prefill_only:
-            sampled, step = await self._on_device(
-                self.runner.prefill, act.slot, chunk, act.cursor, act.sampling_row(), act.history_start()
-            )
+            (sampled, *fork_sampled), step = await self._on_device(
+                self.runner.prefill, act.slot, chunk, act.cursor, act.sampling_row(), act.history_start(),
+                [(fork.slot, fork.sampling_row()) for fork in forks])
         else:
             (_, experts), step = await self._on_device(self.runner.extend, act.slot, chunk, act.cursor)
             act.count_experts(experts)
-            self._publish_routing([experts], len(chunk), step)
+            self.publisher.routing([experts], len(chunk), step)
         act.count_step(step)
         act.sample_s += self.runner.sample_seconds - sampling
         act.prefill_s += time.perf_counter() - started - (self.runner.sample_seconds - sampling)
         act.cursor += len(chunk)
         await self.slots[act.slot].inbox.send.send(Extend(tuple(chunk)))
+        for fork, fork_first in zip(forks, fork_sampled):
+            await self.slots[fork.slot].inbox.send.send(SetHistory(prompt))
+            self.decoding.append(fork.rid)
+            await self._accept_token(fork, fork_first)
         if not last or act.rid not in self.active:
             return
         if act.request.prefill_only:
             await self.transfers.device_io(self.runner.wait_ready)  # "prefilled" means the KV is there
             await self._finish(act, "prefilled")
             return
-        self._publish_routing([sampled.experts], len(chunk), step)
+        self.publisher.routing([sampled.experts], len(chunk), step)
         self.prefilling.popleft()
         act.position = len(prompt)
         self.decoding.append(act.rid)
@@ -255,7 +278,7 @@ class Scheduler:
         decode_s = time.perf_counter() - started - sample_s
         # a row that ended after this step was dispatched computed a token nobody reads
         live = [(act, sampled) for act, sampled in zip(acts, results) if self._decoding(act)]
-        self._publish_routing([sampled.experts for _, sampled in live], len(live), step)
+        self.publisher.routing([sampled.experts for _, sampled in live], len(live), step)
         for act, sampled in live:
             act.count_step(step)
             act.decode_s += decode_s
@@ -324,19 +347,29 @@ class Scheduler:
         for sub in self._queued():
             if sub.request_id == rid:
                 self.table.withdraw(sub)
-                self._send_final_cancel(sub, rid)
+                for one in (sub, *sub.forks):
+                    self._end_unstarted(one, "cancelled")
                 return True
+        for forks in self.forks.values():
+            for fork in forks:
+                if fork.request_id == rid:
+                    forks.remove(fork)
+                    self._end_unstarted(fork, "cancelled")
+                    return True
         if rid in self.active:
             await self._finish(self.active[rid], "cancelled")
             return True
         return False
 
-    def _send_final_cancel(self, sub: Submit, rid: int):
-        tell(sub, FinishEvent(TurnStats(rid, -1, "cancelled", len(sub.prompt), 0, 0, 0.0, 0.0, 0.0)))
+    def _end_unstarted(self, sub: Submit, reason: FinishReason):
+        tell(sub, FinishEvent(TurnStats(sub.request_id, -1, reason, len(sub.prompt), 0, 0, 0.0, 0.0, 0.0)))
+        sub.events.close()
 
     async def _finish(self, act: Active, reason: FinishReason, stop_matched: bool = False):
         rid = act.rid
         del self.active[rid]
+        for fork in self.forks.pop(rid, []):  # its prompt never got prefilled: they end as it did
+            self._end_unstarted(fork, reason)
         if rid in self.decoding:
             self.decoding.remove(rid)
         if rid in self.prefilling:
@@ -350,17 +383,13 @@ class Scheduler:
             if not matched:
                 tail += act.stops.flush()
         stats, telemetry = act.turn_stats(reason, now), act.telemetry()
-        self._send(act, FinishEvent(stats, tail, telemetry, self._report(stats, telemetry, act), act.stops.matched))
+        report = self.publisher.report(stats, telemetry, act)
+        self._send(act, FinishEvent(stats, tail, telemetry, report, act.stops.matched))
         act.submit.events.close()
         send, recv = open_reply()
         await self.slots[act.slot].inbox.send.send(Release(send))
         admitted = self.table.release(act.slot, act.submit, await recv.receive())
-        self._publish(telemetry)
-        if self.experts is not None:
-            try:
-                self.experts.inbox.send.send_nowait(TurnEnded())
-            except trio.WouldBlock:
-                pass  # the heat is saved at a later turn's end, or at shutdown
+        self.publisher.turn_ended(telemetry)
         await self._start_admitted(admitted)
 
     async def _start_admitted(self, admitted: list[tuple[Submit | Transfer, int]]):
@@ -368,32 +397,3 @@ class Scheduler:
         for sub, slot in admitted:
             assert isinstance(sub, Submit)  # transfers hold a slot at once, or are refused: they never queue
             await self._start(sub, slot)
-
-    def _report(self, stats: TurnStats, telemetry: Telemetry, act: Active) -> TurnReport:
-        entropy = turn_entropy(telemetry.expert_counts, self.dense_layers)
-        hit_pct = 100.0 * act.pool_hits / act.pool_lookups if act.pool_lookups else 100.0
-        return TurnReport(turn_perf(stats, telemetry), entropy, gpus=self.runner.expert_tiers().gpus,
-                          repin=tuple(act.repin), hit_pct=hit_pct)
-
-    def _publish_routing(self, experts: list[np.ndarray], tokens: int, step: ExpertStep):
-        """Tell the expert cache and subscribers which experts a step used ([MoE layers,
-        ...] ids per part), and its pool traffic."""
-        if self.experts is None and not self.telemetry_subscribers:
-            return
-        counts = self.expert_zeros.copy()
-        for part in experts:
-            add_routing(counts, part)
-        if self.experts is not None and counts.size:
-            self.experts.observe_nowait(counts)
-        if self.telemetry_subscribers:
-            self._publish(StepRouting(tuple(tuple(int(c) for c in row) for row in counts), tokens,
-                                      step.lookups, step.hits, step.moves, step.tiers))
-
-    def _publish(self, event: Telemetry | StepRouting):
-        for ch in list(self.telemetry_subscribers):
-            try:
-                ch.send_nowait(event)
-            except trio.WouldBlock:
-                pass  # a slow subscriber misses a turn rather than stalling decode
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                self.telemetry_subscribers.remove(ch)

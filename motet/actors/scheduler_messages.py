@@ -19,6 +19,9 @@ class Submit:
     prompt: tuple[int, ...]
     events: trio.MemorySendChannel  # first an Accepted or an EngineError, then the stream
     constraint: TokenConstraint | None = None  # the request's grammar, compiled (its matcher)
+    # the other choices of an n > 1 request: each starts from a copy of this one's KV once
+    # its prompt is prefilled, in a free slot (with none free, it queues and prefills alone)
+    forks: tuple[Submit, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -64,8 +67,10 @@ def refuse_queued(inbox: trio.MemoryReceiveChannel) -> None:
         except (trio.WouldBlock, trio.ClosedResourceError):
             break
         match msg:
-            case Submit(events=events):
+            case Submit(events=events, forks=forks):
                 events.close()
+                for fork in forks:
+                    fork.events.close()
             case Cancel(reply=reply) | StopNow(reply=reply) if reply is not None:
                 reply.send_nowait(False)
             case Drain(reply):

@@ -137,9 +137,9 @@ def warm_up(runner: ModelRunner, plan: WarmupPlan, progress: Callable[[str, int,
             step(f"ran {shape}")
     if any(shape.kind == PREFILL for shape in plan.shapes):
         # what a request with a penalty, a bias or a grammar adds: its slot's history
-        # started, its first token sampled with it
-        row = warm_constrained_row(runner.model.config.vocab_size)
-        runner.prefill(runner.geo.scratch_slot, [0], 0, row, ((0,), ((0, 1.0),)))
+        # started, its first token sampled with it; and an n > 1 request's KV copy
+        row, scratch = warm_constrained_row(runner.model.config.vocab_size), runner.geo.scratch_slot
+        runner.prefill(scratch, [0], 0, row, ((0,), ((0, 1.0),)), forks=[(scratch, row)])
     runner.new_key(0)
     runner.wait_ready()
     runner.sample_seconds = 0.0

@@ -24,14 +24,14 @@ from ..actors.expert_cache import ExpertCache, HeatFile, SaveHeat
 from ..actors.expert_policy import ExpertPlan, ExpertPolicy
 from ..actors.kv_slot import KVSlot
 from ..actors.runner import ModelRunner
-from ..actors.scheduler import Cancel, Drain, Scheduler, StopNow, Submit, Subscribe
+from ..actors.scheduler import Cancel, Drain, Scheduler, StopNow, Subscribe
 from ..actors.warmup import StartupClock, WarmupPlan, warm_up
 from ..model.compilation import current_compile_cache
 from ..model.kv import KV_DTYPE_CHOICES, KVGeometry
 from ..model.model import Model
 from ..model.sharding import MeshSpec
 from ..protocol.session_file import SessionHeader
-from ..runtime.actor import EventStream, open_reply, open_stream
+from ..runtime.actor import EventStream, open_reply
 from ..runtime.api import (
     EngineStatistics,
     ExpertState,
@@ -42,13 +42,15 @@ from ..runtime.api import (
     StepRouting,
     Telemetry,
 )
+from ..runtime.choices import Choices, choice_fields
 from ..runtime.collect import Collected
 from ..runtime.config import DEFAULT_COMPILE_CACHE, ExpertSettings
-from ..runtime.errors import EngineClosed, EngineError, NotFound
+from ..runtime.errors import EngineClosed, NotFound
 from ..runtime.experts import HITS_EVERY, ExpertMap, turn_entropy
 from ..runtime.service import Service
 from . import sessions, tokens
 from .experts_plan import plan_engine_experts
+from .submission import submit_of, submitted
 
 log = logging.getLogger(__name__)
 
@@ -294,32 +296,23 @@ class Engine(Service, Collected):
         yields its EventStream. Leaving the block early, or a cancel of the surrounding
         scope, cancels the request."""
         request = GenerationRequest.of(prompt, **fields)
-        model = self._loaded()
-        ids = self.encode(prompt)
-        tokens.check_ids(model.tokenizer, request, ids)
-        constraint = model.grammars.compile(request.grammar) if request.grammar is not None else None
         rid = request.request_id if request.request_id is not None else next(self._ids)
-        send, receive = open_stream()
-        await self._send(Submit(rid, request, ids, send, constraint))
+        submit, receive = submit_of(self._loaded(), self.encode(prompt), [request], [rid])
         events = EventStream(rid, receive)
-        refused = False
-        with receive:
-            try:
-                try:
-                    first = await receive.receive()
-                except trio.EndOfChannel:
-                    raise EngineClosed() from None
-                if isinstance(first, EngineError):
-                    refused = True
-                    raise first
-                yield events
-            finally:
-                if not refused and events.finish is None:
-                    with trio.CancelScope(shield=True):
-                        try:
-                            await self._send(Cancel(rid))
-                        except EngineClosed:
-                            pass
+        async with submitted(self._send, submit, receive, lambda: [rid] if events.finish is None else []):
+            yield events
+
+    @asynccontextmanager
+    async def choices(self, prompt, n: int, **fields):
+        """n answers to one prompt (EngineAPI.choices): it is prefilled once, and each
+        other choice starts from a copy of its KV in a free slot."""
+        requests = [GenerationRequest.of(prompt, **each) for each in choice_fields(n, fields)]
+        rids = [next(self._ids) for _ in requests]
+        submit, receive = submit_of(self._loaded(), self.encode(prompt), requests, rids)
+        choices = Choices(rids, receive)
+        async with submitted(self._send, submit, receive,
+                             lambda: [rid for rid, end in zip(rids, choices.finishes) if end is None]):
+            yield choices
 
     def render_chat(self, messages: list[dict], **template_kwargs) -> str:
         return self._loaded().render_chat(messages, add_generation_prompt=True, **template_kwargs)

@@ -116,6 +116,20 @@ def init_kv(cfg: ModelConfig, geo: KVGeometry, dtype=jnp.float32, sharding=None)
     return k, v
 
 
+@partial(jax.jit, donate_argnums=0)
+def copy_slot(kv, source, target):
+    """Every layer's K and V of slot `source` written over slot `target` (in place): the
+    choices of an n > 1 request start from the one prefill of their prompt. The slots
+    are traced, so one compile serves every pair."""
+
+    def copy(layer):
+        rows = jax.lax.dynamic_index_in_dim(layer, source, keepdims=True)
+        return jax.lax.dynamic_update_index_in_dim(layer, rows, target, axis=0)
+
+    k, v = kv
+    return [copy(layer) for layer in k], [copy(layer) for layer in v]
+
+
 # ---- one slot's KV as host arrays (sessions, handovers) ----------------------------------
 # On the host a layer's K and V are both [tokens, kv_heads, head_dim]: the layout a session
 # file and a K_LAYER frame carry, whatever the device layout is.

@@ -1,7 +1,8 @@
 """What every engine offers on top of its own `stream()`, `render_chat()`, `statistics()`
 and `startup()`: the answer collected (`complete`, `chat`), a chat streamed
-(`stream_chat`), its health, and a prompt read without an answer (`prefill`). One copy
-for all four engines."""
+(`stream_chat`), n answers side by side (`choices`; the in-process engine has its own),
+its health, and a prompt read without an answer (`prefill`). One copy for all four
+engines."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
 
 from .api import Completion, EngineStatistics, FinishEvent, Health, StartupReport, TokenEvent, TurnStats
+from .choices import independent_choices
 from .errors import Cancelled, EngineClosed
 
 if TYPE_CHECKING:
@@ -35,6 +37,11 @@ class Collected:
         ids = tuple(t.token_id for t in tokens if t.token_id is not None)
         ids = ids if len(ids) == len(tokens) else ()  # all or none: a mux engine reports none
         return Completion(text, ids, stats, tuple(tokens))
+
+    def choices(self, prompt, n: int, **kwargs):
+        """n answers to one prompt (EngineAPI.choices): here n requests side by side, each
+        reading the prompt itself (the in-process engine reads it once)."""
+        return independent_choices(self, prompt, n, **kwargs)
 
     async def chat(self, messages: list[dict], **kwargs) -> Completion:
         return await self.complete(self.render_chat(messages), **kwargs)

@@ -27,6 +27,7 @@ from .api import (
     StartupReport,
     TokenEvent,
 )
+from .choices import Choices
 
 
 class Events(Protocol):
@@ -54,6 +55,11 @@ class EngineAPI(Protocol):
                prefill_only: bool = False) -> AbstractAsyncContextManager[Events]:
         """A request's events (runtime/api.py's GenerationRequest says what each field
         does); leaving the block early cancels it."""
+        ...
+
+    def choices(self, prompt: str | Sequence[int], n: int, **kwargs: Any) -> AbstractAsyncContextManager[Choices]:
+        """n answers to one prompt, their events merged (runtime/choices.py): stream's
+        fields, choice i seeded with seed + i; leaving the block early cancels them."""
         ...
 
     def stream_chat(self, messages: list[dict], **kwargs) -> AbstractAsyncContextManager[Events]: ...

@@ -1,0 +1,59 @@
+"""What the scheduler tells beyond a request's own stream: each step's expert routing,
+to the expert cache (its heat) and to the telemetry subscribers, and each turn's end."""
+
+from __future__ import annotations
+
+import numpy as np
+import trio
+
+from ..runtime.api import StepRouting, Telemetry, TurnReport, TurnStats
+from ..runtime.experts import turn_entropy, turn_perf
+from .active_request import Active, add_routing
+from .expert_cache import ExpertCache, TurnEnded
+from .runner import ExpertStep, ModelRunner
+
+
+class Publisher:
+    def __init__(self, runner: ModelRunner, experts: ExpertCache | None):
+        cfg = runner.model.config
+        self.runner = runner
+        self.experts = experts
+        self.expert_zeros = np.zeros((sum(cfg.moe_layers), cfg.n_experts), np.int64)
+        self.dense_layers = 0 if cfg.is_moe else cfg.n_layers
+        self.subscribers: list[trio.MemorySendChannel] = []
+
+    def routing(self, experts: list[np.ndarray], tokens: int, step: ExpertStep) -> None:
+        """Which experts a step used ([MoE layers, ...] ids per part), and its pool traffic."""
+        if self.experts is None and not self.subscribers:
+            return
+        counts = self.expert_zeros.copy()
+        for part in experts:
+            add_routing(counts, part)
+        if self.experts is not None and counts.size:
+            self.experts.observe_nowait(counts)
+        if self.subscribers:
+            self._publish(StepRouting(tuple(tuple(int(c) for c in row) for row in counts), tokens,
+                                      step.lookups, step.hits, step.moves, step.tiers))
+
+    def turn_ended(self, telemetry: Telemetry) -> None:
+        self._publish(telemetry)
+        if self.experts is not None:
+            try:
+                self.experts.inbox.send.send_nowait(TurnEnded())
+            except trio.WouldBlock:
+                pass  # the heat is saved at a later turn's end, or at shutdown
+
+    def report(self, stats: TurnStats, telemetry: Telemetry, act: Active) -> TurnReport:
+        entropy = turn_entropy(telemetry.expert_counts, self.dense_layers)
+        hit_pct = 100.0 * act.pool_hits / act.pool_lookups if act.pool_lookups else 100.0
+        return TurnReport(turn_perf(stats, telemetry), entropy, gpus=self.runner.expert_tiers().gpus,
+                          repin=tuple(act.repin), hit_pct=hit_pct)
+
+    def _publish(self, event: Telemetry | StepRouting) -> None:
+        for ch in list(self.subscribers):
+            try:
+                ch.send_nowait(event)
+            except trio.WouldBlock:
+                pass  # a slow subscriber misses a turn rather than stalling decode
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self.subscribers.remove(ch)
