@@ -192,6 +192,37 @@ async def test_completions_streamed_and_not(serve_tiny):
     assert colibri.model_extra["colibri"]["stats"]["prompt_tokens"] == whole.usage.prompt_tokens
 
 
+async def test_n_choices_streamed_and_not(serve_tiny):
+    """`n`: one prompt, n answers in choices[i] (greedy ones all the single answer), the
+    prompt counted once in the usage; streamed, each choice's chunks carry its index and
+    each ends with its own finish reason. Sampled choices differ."""
+    ask = dict(model="m", messages=HELLO, max_tokens=6, temperature=0)
+    async with serve_tiny() as (engine, url):
+        client = async_client(url)
+        async with client:
+            one = await client.chat.completions.create(**ask)
+            two = await client.chat.completions.create(**ask, n=2)
+            async with await client.chat.completions.create(**ask, n=3, stream=True,
+                                                            stream_options={"include_usage": True}) as stream:
+                chunks = [chunk async for chunk in stream]
+            sampled = await client.completions.create(model="m", prompt="Once upon a time", max_tokens=8,
+                                                      temperature=1.0, seed=5, n=3)
+    answer = one.choices[0].message.content
+    assert [c.index for c in two.choices] == [0, 1]
+    assert [c.message.content for c in two.choices] == [answer, answer]
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens
+    assert two.usage.completion_tokens == 2 * one.usage.completion_tokens
+    texts, finishes = ["", "", ""], [None, None, None]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finishes[choice.index] = finishes[choice.index] or choice.finish_reason
+    assert texts == [answer] * 3 and finishes == ["length"] * 3
+    assert chunks[-2].usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert [c.index for c in sampled.choices] == [0, 1, 2]
+    assert len({c.text for c in sampled.choices}) > 1
+
+
 async def test_logprobs_with_top_candidates(serve_tiny):
     async with serve_tiny() as (engine, url):
         client = sync_client(url)
@@ -288,7 +319,8 @@ async def test_penalties_bias_and_stop_ids_from_the_official_client(serve_tiny):
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/v1/chat/completions", {"temperature": 3}, "temperature"),
     ("/v1/chat/completions", {"top_p": 0}, "top_p"),
-    ("/v1/chat/completions", {"n": 2}, "n"),
+    ("/v1/chat/completions", {"n": 17}, "n"),
+    ("/v1/completions", {"n": 2, "cache_slot": 0}, "cache_slot"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/chat/completions", {"frequency_penalty": "1"}, "frequency_penalty"),

@@ -190,9 +190,10 @@ class Server:
                 return error_response(stream)
             return Response(stream, content_type="text/event-stream; charset=utf-8",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        finish = await self.generation.collect(turn, prompt)
-        if isinstance(finish, ApiError):
-            return error_response(finish)
+        finishes = await self.generation.collect([turn], prompt)
+        if isinstance(finishes, ApiError):
+            return error_response(finishes)
+        finish = finishes[0]
         thought, text, calls = whole_parts(turn, "".join(turn.texts) + finish.text_tail)
         return messages_shape.message(messages_shape.message_id(), turn.model, text, finish, thought, calls)
 

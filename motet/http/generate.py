@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field, replace
 
 import trio
@@ -27,6 +28,8 @@ from .errors import ApiError, from_engine
 from .openai_schema import Options
 from .reasoning import ReasoningSplitter
 from .tool_calls import ToolCall, ToolCallStream
+
+Event = TokenEvent | FinishEvent
 
 
 @dataclass
@@ -47,10 +50,24 @@ class Turn:
     reasoning_opened: bool = False
     tools: ToolCallStream | None = None  # a chat answer's tool calls, read in their family's format
     call_ids: list[str] = field(default_factory=list)  # of the calls streamed so far
+    index: int = 0  # which of the request's n choices
 
     def __post_init__(self):
         self.ident = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
+
+    def choices(self) -> list[Turn]:
+        """The turn of each of the request's n choices: this one, then fresh ones (their
+        own text, reasoning and tool calls) under the same id."""
+        turns = [self]
+        for index in range(1, self.options.n):
+            other = Turn(self.chat, self.model, self.options, self.started, index=index,
+                         reasoning=None if self.reasoning is None else ReasoningSplitter(self.reasoning_opened),
+                         reasoning_opened=self.reasoning_opened,
+                         tools=None if self.tools is None else ToolCallStream(self.tools.family))
+            other.ident, other.created = self.ident, self.created
+            turns.append(other)
+        return turns
 
     @property
     def prompt_param(self) -> str:
@@ -119,10 +136,15 @@ class Generation:
     # ---- non-streaming --------------------------------------------------------------
 
     async def answer(self, turn: Turn, prompt: str):
-        """The whole answer as an OpenAI object, or an ApiError."""
-        finish = await self.collect(turn, prompt)
-        if isinstance(finish, ApiError):
-            return finish
+        """The whole answer as an OpenAI object (with n choices, all of them), or an ApiError."""
+        turns = turn.choices()
+        finishes = await self.collect(turns, prompt)
+        if isinstance(finishes, ApiError):
+            return finishes
+        answers = [self._whole(t, finish) for t, finish in zip(turns, finishes)]
+        return answers[0] if len(answers) == 1 else shape.choices_of(answers, [f.stats for f in finishes])
+
+    def _whole(self, turn: Turn, finish: FinishEvent) -> dict:
         text, asked = "".join(turn.texts) + finish.text_tail, turn.options.logprobs
         if turn.chat:
             content = [shape.chat_logprob(e, turn.k) for e in turn.logprobs] if asked else None
@@ -133,35 +155,49 @@ class Generation:
         logprobs = shape.completion_logprobs(turn.logprobs, turn.k) if asked else None
         return shape.text_completion(turn.ident, turn.created, turn.model, text, finish, logprobs, turn.topk())
 
-    async def collect(self, turn: Turn, prompt: str) -> FinishEvent | ApiError:
-        """Run the turn to its end: its FinishEvent (the text is in turn.texts), or an
-        ApiError."""
-        finish: FinishEvent | None = None
+    @asynccontextmanager
+    async def _submitted(self, turn: Turn, prompt: str) -> AsyncIterator[AsyncIterator[tuple[int, Event]]]:
+        """The turn's request submitted (n > 1: its choices): its events as they come,
+        with the index of the choice each is for."""
+        if turn.options.n == 1:
+            async with self.engine.stream(prompt, **self._kwargs(turn)) as events:
+                yield _first_choice(events)
+        else:
+            async with self.engine.choices(prompt, turn.options.n, **self._kwargs(turn)) as choices:
+                yield choices
+
+    async def collect(self, turns: list[Turn], prompt: str) -> list[FinishEvent] | ApiError:
+        """Run a request to its end: the FinishEvent of each choice (the texts are in
+        its turn's texts), or an ApiError."""
+        finishes: list[FinishEvent | None] = [None] * len(turns)
         refusal: EngineError | None = None
         entered = False
         try:
-            async with self.engine.stream(prompt, **self._kwargs(turn)) as events:
+            async with self._submitted(turns[0], prompt) as events:
                 entered = True
-                async for event in events:
+                async for index, event in events:
                     if isinstance(event, TokenEvent):
-                        self._token(turn, event)
+                        self._token(turns[index], event)
                     else:
-                        finish = event
+                        finishes[index] = event
         except EngineError as exc:
             refusal = exc
         finally:
             # The client left (or the engine closed) mid-turn, or while the engine took the
             # request (a MuxEngine waits for the child's first frame then). A refusal at
             # entry is an HTTP status, not a finished request.
-            if finish is None and (entered or refusal is None):
-                self.metrics.requests.labels("cancelled").inc()
+            if entered or refusal is None:
+                for _ in range(finishes.count(None)):
+                    self.metrics.requests.labels("cancelled").inc()
         if refusal is not None:
-            return self._error(turn, refusal)
-        assert finish is not None  # a stream that ends without raising ends with its FinishEvent
-        self._finish(finish)
-        if finish.stats.finish_reason == "cancelled":  # cancelled by someone else
-            return self._error(turn, Cancelled())
-        return finish
+            return self._error(turns[0], refusal)
+        done = [finish for finish in finishes if finish is not None]
+        assert len(done) == len(turns)  # a stream that ends without raising ends with its FinishEvents
+        for finish in done:
+            self._finish(finish)
+        if any(finish.stats.finish_reason == "cancelled" for finish in done):  # cancelled by someone else
+            return self._error(turns[0], Cancelled())
+        return done
 
     # ---- streaming ------------------------------------------------------------------
 
@@ -170,7 +206,7 @@ class Generation:
         events), or an ApiError when it is refused."""
         request = AsyncExitStack()  # the stream block, left by the body once the request is over
         try:
-            events = await request.enter_async_context(self.engine.stream(prompt, **self._kwargs(turn)))
+            events = await request.enter_async_context(self._submitted(turn, prompt))
         except EngineError as exc:  # refused: an HTTP status, not a finished request
             return self._error(turn, exc)
         except trio.Cancelled:  # the client left while the engine took the request
@@ -178,49 +214,56 @@ class Generation:
             raise
         return (self._anthropic_frames if anthropic else self._frames)(turn, request, events)
 
-    async def _frames(self, turn: Turn, request: AsyncExitStack, events: Events):
+    async def _frames(self, turn: Turn, request: AsyncExitStack, events: AsyncIterator[tuple[int, Event]]):
         # The body owns the accepted request from here: however it ends (finished, the
         # client gone, the engine closed), leaving the stream block cancels a request still
         # in flight. A body never started (the client left between the headers and the
         # first byte) runs no finally; then the stream block is closed when it is
         # garbage-collected, by Trio's async-generator finalizer: a cancel all the same.
-        finish: FinishEvent | None = None
+        # With n choices, each one's chunks carry its index; each ends as it finishes.
+        turns = turn.choices()
+        finishes: list[FinishEvent | None] = [None] * len(turns)
         try:
             if turn.chat:
-                yield shape.sse(self._chunk(turn, {"role": "assistant", "content": ""}))
-            sent = 0  # characters sent (completions' logprob text offsets)
-            async for event in events:
+                for t in turns:
+                    yield shape.sse(self._chunk(t, {"role": "assistant", "content": ""}))
+            sent = [0] * len(turns)  # characters sent (completions' logprob text offsets)
+            async for index, event in events:
+                t = turns[index]
                 if isinstance(event, TokenEvent):
-                    self._token(turn, event)
-                    delta = self._delta(turn, event.text)
+                    self._token(t, event)
+                    delta = self._delta(t, event.text)
                     if delta or turn.options.logprobs:
-                        yield shape.sse(self._chunk(turn, delta, (event,), sent))
-                        sent += len(event.text)
-                else:
-                    finish = event
-            assert finish is not None  # a stream that ends without raising ends with its FinishEvent
-            self._finish(finish)
-            if finish.stats.finish_reason == "cancelled":
-                yield shape.sse(self._error(turn, Cancelled()).body())
-                return
-            tail = self._delta(turn, finish.text_tail, end=True)
-            if tail:
-                yield shape.sse(self._chunk(turn, tail))
-            yield shape.sse(self._chunk(turn, "", finish=shape.finish_reason(finish.stats, bool(turn.call_ids))))
+                        yield shape.sse(self._chunk(t, delta, (event,), sent[index]))
+                        sent[index] += len(event.text)
+                    continue
+                finishes[index] = finish = event
+                self._finish(finish)
+                if finish.stats.finish_reason == "cancelled":
+                    yield shape.sse(self._error(turn, Cancelled()).body())
+                    return
+                tail = self._delta(t, finish.text_tail, end=True)
+                if tail:
+                    yield shape.sse(self._chunk(t, tail))
+                yield shape.sse(self._chunk(t, "", finish=shape.finish_reason(finish.stats, bool(t.call_ids))))
+            done = [finish for finish in finishes if finish is not None]
+            assert len(done) == len(turns)  # a stream that ends without raising ends with its FinishEvents
             obj = "chat.completion.chunk" if turn.chat else "text_completion"
             if turn.options.include_usage:
-                yield shape.sse(shape.usage_chunk(turn.ident, obj, turn.created, turn.model, finish.stats))
+                stats = [finish.stats for finish in done]
+                yield shape.sse(shape.usage_chunk(turn.ident, obj, turn.created, turn.model, stats))
             yield shape.sse(shape.colibri_chunk(turn.ident, obj, turn.created, turn.model,
-                                                shape.colibri(finish, turn.topk())))
+                                                shape.colibri(done[0], turn.topk())))
             yield shape.SSE_DONE
         except EngineError as exc:  # the engine closed under the stream: say so, in-band
             yield shape.sse(self._error(turn, exc).body())
         finally:
-            if finish is None:  # the client left (or the engine closed) mid-turn
+            for _ in range(finishes.count(None)):  # the client left (or the engine closed) mid-turn
                 self.metrics.requests.labels("cancelled").inc()
             await request.aclose()
 
-    async def _anthropic_frames(self, turn: Turn, request: AsyncExitStack, events: Events):
+    async def _anthropic_frames(self, turn: Turn, request: AsyncExitStack,
+                                events: AsyncIterator[tuple[int, Event]]):
         """As _frames, in Anthropic's events: message_start, each content block's start,
         deltas and stop (thinking, text, tool_use), message_delta with the stop reason
         and usage, message_stop."""
@@ -229,7 +272,7 @@ class Generation:
         blocks = messages_shape.Blocks()
         try:
             yield messages_shape.start_events(ident, turn.model, 0)
-            async for event in events:
+            async for _, event in events:  # Anthropic's Messages have one choice
                 if isinstance(event, TokenEvent):
                     self._token(turn, event)
                     if frames := blocks.part(*self._parts(turn, event.text)):
@@ -288,11 +331,11 @@ class Generation:
             delta = content if isinstance(content, dict) else ({"content": content} if finish is None else {})
             entries = [shape.chat_logprob(e, turn.k) for e in events] if logprobs else None
             return shape.chat_chunk(turn.ident, turn.created, turn.model, delta, finish=finish,
-                                    logprobs=entries, with_usage=usage)
+                                    logprobs=entries, with_usage=usage, index=turn.index)
         assert isinstance(content, str)  # a dict delta is chat's alone
         lp = shape.completion_logprobs(list(events), turn.k, sent) if logprobs else None
         return shape.completion_chunk(turn.ident, turn.created, turn.model, content, finish=finish,
-                                      logprobs=lp, with_usage=usage)
+                                      logprobs=lp, with_usage=usage, index=turn.index)
 
 
 def call_id() -> str:
@@ -306,3 +349,9 @@ def whole_parts(turn: Turn, text: str) -> tuple[str, str, list[ToolCall]]:
         return thought, text, []
     text, calls = tool_calls.parse(turn.tools.family, text)
     return thought, text, calls
+
+
+async def _first_choice(events: Events) -> AsyncIterator[tuple[int, Event]]:
+    """One request's events as choice 0's."""
+    async for event in events:
+        yield 0, event

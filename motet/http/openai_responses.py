@@ -37,11 +37,13 @@ def tool_call(call: ToolCall, ident: str, index: int | None = None) -> dict:
     return entry if index is None else {"index": index, **entry}
 
 
-def usage(stats: TurnStats) -> dict:
+def usage(stats: TurnStats, *more: TurnStats) -> dict:
+    """A request's usage; with n choices (stats of each), the prompt counts once."""
+    completion = stats.emitted_tokens + sum(s.emitted_tokens for s in more)
     return {
         "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.emitted_tokens,
-        "total_tokens": stats.prompt_tokens + stats.emitted_tokens,
+        "completion_tokens": completion,
+        "total_tokens": stats.prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": stats.reused_tokens},
     }
 
@@ -142,9 +144,16 @@ def text_completion(ident: str, created: int, model: str, text: str, finish: Fin
             "usage": usage(finish.stats), "colibri": colibri(finish, topk)}
 
 
+def choices_of(objects: list[dict], stats: list[TurnStats]) -> dict:
+    """The whole answers of n choices as one object: each one's choice in order, the
+    usage of all (the `colibri` telemetry is the first's)."""
+    choices = [{**obj["choices"][0], "index": i} for i, obj in enumerate(objects)]
+    return {**objects[0], "choices": choices, "usage": usage(*stats)}
+
+
 def chat_chunk(ident: str, created: int, model: str, delta: dict, *, finish: str | None = None,
-               logprobs: list[dict] | None = None, with_usage: bool = False) -> dict:
-    choice = {"index": 0, "delta": delta,
+               logprobs: list[dict] | None = None, with_usage: bool = False, index: int = 0) -> dict:
+    choice = {"index": index, "delta": delta,
               "logprobs": None if logprobs is None else {"content": logprobs},
               "finish_reason": finish}
     chunk = {**_head(ident, "chat.completion.chunk", created, model), "choices": [choice]}
@@ -154,17 +163,18 @@ def chat_chunk(ident: str, created: int, model: str, delta: dict, *, finish: str
 
 
 def completion_chunk(ident: str, created: int, model: str, text: str, *, finish: str | None = None,
-                     logprobs: dict | None = None, with_usage: bool = False) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+                     logprobs: dict | None = None, with_usage: bool = False, index: int = 0) -> dict:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     chunk = {**_head(ident, "text_completion", created, model), "choices": [choice]}
     if with_usage:
         chunk["usage"] = None
     return chunk
 
 
-def usage_chunk(ident: str, obj: str, created: int, model: str, stats: TurnStats) -> dict:
-    """The last chunk when `stream_options.include_usage`: no choices, the usage."""
-    return {**_head(ident, obj, created, model), "choices": [], "usage": usage(stats)}
+def usage_chunk(ident: str, obj: str, created: int, model: str, stats: list[TurnStats]) -> dict:
+    """The last chunk when `stream_options.include_usage`: no choices, the usage (of
+    every choice)."""
+    return {**_head(ident, obj, created, model), "choices": [], "usage": usage(*stats)}
 
 
 def colibri_chunk(ident: str, obj: str, created: int, model: str, telemetry: dict) -> dict:

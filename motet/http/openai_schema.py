@@ -4,8 +4,8 @@ A bad field raises InvalidRequest naming it (`param`, e.g. `messages[0].content`
 the app answers with a 400 in OpenAI's error shape; any JSON value in any field gives a
 request or an InvalidRequest, nothing else (tests/test_fuzz.py). Fields OpenAI clients
 send that do not change the answer (`user`, `metadata`, ...) are ignored; fields that
-would change it and that motet cannot honour (`n` > 1, `echo`) are refused rather than
-silently dropped. `Limits` bound what one request may ask: messages,
+would change it and that motet cannot honour (`echo`, `best_of` > 1) are refused rather
+than silently dropped. `Limits` bound what one request may ask: messages,
 stop strings, prompt characters (before tokenizing), and `max_tokens`.
 """
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TypeGuard
 
 from ..runtime.api import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_K, Grammar
+from ..runtime.choices import MAX_CHOICES
 from ..runtime.serve_settings import MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_STOP_CHARS, MAX_STOPS
 from .errors import InvalidRequest
 from .structured import grammar_of
@@ -58,6 +59,7 @@ class Options:
     stream: bool = False
     include_usage: bool = False  # streaming: a usage chunk before [DONE]
     cache_slot: int | None = None  # pin the request to this KV slot
+    n: int = 1  # answers to the one prompt (choices)
 
 
 @dataclass(frozen=True)
@@ -245,8 +247,11 @@ def _text(text: str, where: str) -> str:
 def _options(body: dict, limits: Limits, max_tokens: int | None, logprobs: bool,
              top_logprobs: int) -> Options:
     n = _integral(body.get("n"))
-    if n is not None and (not _is_int(n) or n != 1):
-        raise InvalidRequest(f"only 'n': 1 is supported; got {n!r}", "n")
+    if n is not None and (not _is_int(n) or not 1 <= n <= MAX_CHOICES):
+        raise InvalidRequest(f"'n' must be an integer in [1, {MAX_CHOICES}]; got {n!r}", "n")
+    cache_slot = _int(body, "cache_slot", 0, None)
+    if cache_slot is not None and n not in (None, 1):
+        raise InvalidRequest("'cache_slot' pins one conversation: it cannot be given with 'n' > 1", "cache_slot")
     repetition = _number(body, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY)
     if repetition == 0.0:
         raise InvalidRequest(f"'repetition_penalty' must be in (0, {MAX_REPETITION_PENALTY:g}]",
@@ -281,7 +286,8 @@ def _options(body: dict, limits: Limits, max_tokens: int | None, logprobs: bool,
         top_logprobs=top_logprobs,
         stream=stream,
         include_usage=stream and include_usage,
-        cache_slot=_int(body, "cache_slot", 0, None),
+        cache_slot=cache_slot,
+        n=n or 1,
     )
 
 

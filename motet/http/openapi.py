@@ -13,6 +13,7 @@ from functools import partial
 
 from .. import __version__
 from ..runtime.api import MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_K
+from ..runtime.choices import MAX_CHOICES
 from ..runtime.serve_settings import ServeSettings
 from . import anthropic_schema as messages_shape
 from . import tools
@@ -74,7 +75,8 @@ def _schemas(settings: ServeSettings, slots: int) -> dict:
         "stream_options": _nullable({"type": "object", "properties": {
             "include_usage": _nullable({"type": "boolean"})}}),
         "seed": _nullable({"type": "integer", "minimum": 0, "maximum": (1 << 63) - 1}),
-        "n": _nullable({"const": 1}),
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES,
+                        "description": "answers to the prompt, read once (choices[i].index)"}),
         "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2,
                                        "description": "minus this for each token the answer holds"}),
         "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2,
