@@ -136,3 +136,13 @@ def pytest_collection_modifyitems(config, items):
                 source = ""
             if any(sign in source for sign in STARTS_A_CHILD):
                 item.add_marker(pytest.mark.subprocess)
+
+
+def mux_engine(model, *, kv_slots: int, max_context: int, prefill_chunk: int = 0, queue_limit: int = 64,
+               **_engine_only):
+    """A MuxEngine running `motet mux` on `model`'s files with an Engine's geometry (its
+    keywords; `motet mux` picks its own prefill chunk and takes no warm-up setting)."""
+    from motet.engines.mux_engine import MuxEngine
+
+    env = {"SNAP": str(model.path), "CTX": str(max_context)}
+    return MuxEngine(MUX_COMMAND, env=env, kv_slots=kv_slots, queue_limit=queue_limit)

@@ -23,10 +23,9 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
-from conftest import MUX_COMMAND
+from conftest import mux_engine
 
 from motet.engines.engine import Engine
-from motet.engines.mux_engine import MuxEngine
 from motet.runtime.api import FinishEvent, Telemetry, TokenEvent
 from motet.runtime.errors import (
     BadRequest,
@@ -52,13 +51,6 @@ TIMEOUT = 240  # seconds; a hang fails the test instead of the suite
 @pytest.fixture
 def llama(tiny_model):
     return tiny_model("llama")
-
-
-def mux_engine(model, *, kv_slots: int, max_context: int, prefill_chunk: int, queue_limit: int = 64):
-    """A MuxEngine running `motet mux` on `model`'s files with the Engine's geometry.
-    (`motet mux` picks its own prefill chunk: it takes no setting for it.)"""
-    env = {"SNAP": str(model.path), "CTX": str(max_context)}
-    return MuxEngine(MUX_COMMAND, env=env, kv_slots=kv_slots, queue_limit=queue_limit)
 
 
 @pytest.fixture(params=["engine", "mux"])

@@ -361,7 +361,7 @@ async def test_bad_fields_are_400_naming_the_field(llama, path, body, param):
 async def test_bad_request_through_the_openai_client_and_bad_json(llama):
     async with tiny_server(llama) as (engine, url):
         with pytest.raises(openai.BadRequestError) as caught:
-            await in_thread(sync_client(url).chat.completions.create, model="m", messages=HELLO, n=2)
+            await in_thread(sync_client(url).chat.completions.create, model="m", messages=HELLO, n=17)
         async with httpx.AsyncClient(base_url=url) as http:
             broken = await http.post("/v1/chat/completions", content=b"{not json")
             missing = await http.post("/v1/chat/completions", json={"model": "m"})

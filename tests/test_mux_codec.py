@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from motet.protocol import mux
+from motet.protocol.mux.options import grammar_after, grammar_after_option
 from motet.protocol.sampling_keys import fields_of, pairs_of
 
 
@@ -47,10 +48,23 @@ def test_submit_options_round_trip_and_read_as_the_engines_fields():
     assert pairs_of(fields) == options  # the defaults (min_p 0) left out
 
 
+def test_grammar_after_rides_as_an_option_percent_encoded():
+    for after in ("</think>", "end of thought %\n"):
+        option = grammar_after_option(after)
+        s = mux.Submit(3, 0, 8, 0.7, 0.9, b"prompt", b'root ::= "x"', (option,))
+        wire = mux.encode_submit(s)
+        assert b" " not in wire.split(b"\n")[0].rpartition(b"grammar_after=")[2]
+        (decoded,) = mux.RequestDecoder().feed(wire)
+        assert decoded == s and grammar_after(decoded.options) == after
+    assert mux.encode_submit(s).split(b"\n")[0].endswith(b"grammar_after=end%20of%20thought%20%25%0A")
+    assert grammar_after_option("</think>") == ("grammar_after", "</think>")
+
+
 def test_a_bad_submit_option_is_a_bad_request_and_its_payload_is_skipped():
     for option, words in ((b"temperature=1", b"unknown SUBMIT option"), (b"top_k=x", b"not a whole number"),
                           (b"logit_bias=5", b"not token:value"), (b"seed=1 seed=2", b"given twice"),
-                          (b"min_p=nan", b"not a number")):
+                          (b"min_p=nan", b"not a number"), (b"grammar_after=", b"is empty"),
+                          (b"grammar_after=%ff", b"codec")):
         events = mux.RequestDecoder().feed(b"SUBMIT 6 0 5 8 0.5 1 " + option + b"\nhello\nCANCEL 6\n")
         assert events[0].request_id == 6 and words.decode() in events[0].reason, events
         assert events[1:] == [mux.Cancel(6)]

@@ -12,16 +12,16 @@ import logging
 import os
 import re
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
 import trio
 
 from ..protocol import mux
-from ..protocol.sampling_keys import fields_of
+from ..protocol.mux.options import grammar_after, sampling_fields
 from ..protocol.session_file import SessionError
-from ..runtime.api import ExpertTiers, FinishEvent, StepRouting, TokenEvent
+from ..runtime.api import ExpertTiers, FinishEvent, Grammar, StepRouting, TokenEvent
 from ..runtime.engine_api import Events, InProcessEngineAPI
 from ..runtime.errors import BadRequest, ContextExceeded, DuplicateId, EngineError, NotFound, SlotBusy
 from ..runtime.experts import HITS_EVERY, ExpertMap, device_moves
@@ -251,11 +251,10 @@ class StdioBridge:
                 stream = self.engine.stream(prompt, max_tokens=1, slot=sub.slot, request_id=sub.request_id,
                                             prefill_only=True)
             else:
-                grammar = None if sub.grammar is None else mux.grammar_from_wire(sub.grammar)
                 stream = self.engine.stream(
                     prompt, max_tokens=max(1, sub.max_tokens), temperature=sub.temperature,
                     top_p=sub.top_p, slot=sub.slot, request_id=sub.request_id,
-                    top_logprobs=5 if self.settings.topk else 0, grammar=grammar, **fields_of(sub.options),
+                    top_logprobs=5 if self.settings.topk else 0, grammar=_grammar(sub), **sampling_fields(sub.options),
                 )
             events = await request.enter_async_context(stream)
         except EngineError as exc:
@@ -362,3 +361,14 @@ class StdioBridge:
             + self._hits_line()
             + mux.encode_done(done)
         )
+
+
+def _grammar(sub: mux.Submit) -> Grammar | None:
+    """The grammar a SUBMIT carries, waiting for its `grammar_after` text if it names one."""
+    grammar = None if sub.grammar is None else mux.grammar_from_wire(sub.grammar)
+    after = grammar_after(sub.options)
+    if after is None:
+        return grammar
+    if grammar is None:
+        raise BadRequest("grammar_after is given without a grammar")
+    return replace(grammar, after=after)

@@ -10,7 +10,7 @@ owns its stdin. The wire has no "any slot": slots are chosen here (runtime/slot_
 
 What the wire imposes: prompts are text (token ids are a BadRequest); the seed, cuts,
 penalties, biases and stop ids SUBMIT has no field for go as its options [extension]
-(protocol/mux/options.py); a grammar's `after` does not go; token ids are None,
+(protocol/mux/options.py), as does a grammar's `after`; token ids are None,
 logprobs come only with `top_logprobs` (from TOPK lines); stop strings are matched
 here, then STOP ends the request; a request that waited for a slot meets a refusal
 (ContextExceeded, ...) at its first event, not at entry.
@@ -36,6 +36,7 @@ from pathlib import Path
 import trio
 
 from ..protocol import mux
+from ..protocol.mux.options import grammar_after_option
 from ..protocol.sampling_keys import pairs_of
 from ..runtime.api import EngineStatistics, ExpertState, GenerationRequest, SlotFile, StartupReport
 from ..runtime.collect import Collected
@@ -254,8 +255,9 @@ class MuxEngine(ChatFiles, Service, Collected):
             self._send(mux.encode_prefill(mux.Prefill(stream.request_id, slot, payload)), quiet)
         else:
             grammar = None if r.grammar is None else mux.grammar_to_wire(r.grammar)
+            after = (grammar_after_option(r.grammar.after),) if r.grammar is not None and r.grammar.after else ()
             submit = mux.Submit(stream.request_id, slot, r.max_tokens, r.temperature, r.top_p, payload, grammar,
-                                pairs_of(vars(r)))
+                                pairs_of(vars(r)) + after)
             self._send(mux.encode_submit(submit), quiet)
         stream.slot, stream.sent_at = slot, time.perf_counter()
 
