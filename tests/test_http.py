@@ -35,6 +35,7 @@ from motet.engines.engine import Engine
 from motet.http.serve import serve_app
 from motet.runtime.config import ExpertSettings
 from motet.runtime.serve_settings import ServeSettings
+from motet.runtime.slot_table import common_prefix
 
 # as tests/test_engine.py, without the warm-up (tests/test_warm_start.py covers it)
 TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16, warm_up=False)
@@ -252,10 +253,19 @@ async def test_second_turn_reports_cached_tokens(serve_tiny):
         ask = partial(client.chat.completions.create, model="m", messages=HELLO, max_tokens=3, temperature=0)
         first = await in_thread(ask)
         second = await in_thread(ask)  # the engine picks the slot holding the longest prefix
+        # two conversations with one system prompt, in slots of their own: the second
+        # starts from a copy of the first's prefix
+        system = [{"role": "system", "content": "You are a terse assistant. Answer in one short line. " * 2}]
+        questions = [system + [{"role": "user", "content": text}] for text in ("What is the sea?", "A colour?")]
+        pinned = [await in_thread(ask, messages=messages, extra_body={"cache_slot": slot})
+                  for slot, messages in zip((2, 3), questions)]
+        a, b = (engine.tokenize(engine.render_chat(messages)) for messages in questions)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert 0 < cached < second.usage.prompt_tokens
     assert second.model_extra["colibri"]["stats"]["reused_tokens"] == cached
+    shared = common_prefix(a, b)
+    assert shared > 16 and [p.usage.prompt_tokens_details.cached_tokens for p in pinned] == [0, shared]
 
 
 async def test_stop_strings_and_length_on_the_default_model(serve_smol):

@@ -10,7 +10,7 @@ import numpy as np
 import trio
 
 from ..model.detokenizer import IncrementalDetokenizer
-from ..runtime.api import FinishReason, GenerationRequest, Telemetry, TurnStats
+from ..runtime.api import FinishEvent, FinishReason, GenerationRequest, Telemetry, TurnStats
 from ..runtime.experts import REPIN_KEPT, device_moves
 from .policy import StopMatcher
 from .runner import ExpertStep
@@ -47,6 +47,7 @@ class Active:
     repin: list[tuple[int, int, int, int]] = field(default_factory=list)  # moves onto the device
     expert_wait_s: float = 0.0  # its steps' seconds moving experts
     expert_disk_s: float = 0.0  # of those, reading the model file
+    copied: int = 0  # of the reused prompt tokens, those copied from another slot
     before_grammar: str | None = ""  # the answer's last characters until Grammar.after shows (then None)
 
     @property
@@ -76,7 +77,7 @@ class Active:
             prompt_tokens=len(self.submit.prompt), reused_tokens=self.reused,
             emitted_tokens=self.emitted, time_to_first_token_s=first - self.started,
             decode_tokens_per_s=(self.emitted - 1) / decode_s if self.emitted > 1 and decode_s > 0 else 0.0,
-            total_s=now - self.started,
+            total_s=now - self.started, copied_tokens=self.copied,
         )
 
     def telemetry(self) -> Telemetry:
@@ -118,6 +119,14 @@ class Active:
         log.warning("request %d: its grammar ends it: %s", self.rid, constraint.failure)
         return True
 
+    def tail(self, reason: FinishReason, stop_matched: bool) -> str:
+        """What was held back, released at the end: partial UTF-8, and a stop-string
+        prefix that never completed (unless the rest of the text completes it)."""
+        if reason == "cancelled" or stop_matched:
+            return ""
+        tail, matched = self.stops.push(self.detok.flush())
+        return tail if matched else tail + self.stops.flush()
+
     def history_start(self) -> tuple[tuple[int, ...], tuple[tuple[int, float], ...]] | None:
         """What the runner resets the slot's LogitHistory with as the answer begins (the
         whole prompt, the bias), None when the request reads no history."""
@@ -130,6 +139,13 @@ def add_routing(counts: np.ndarray, experts: np.ndarray) -> None:
     if experts.size:
         layers = experts.reshape(experts.shape[0], -1)
         np.add.at(counts, (np.arange(layers.shape[0])[:, None], layers), 1)
+
+
+def end_unstarted(sub: Submit, reason: FinishReason) -> None:
+    """End a request that never started (withdrawn from the queue, or a fork whose
+    first choice ended before its prompt was read)."""
+    tell(sub, FinishEvent(TurnStats(sub.request_id, -1, reason, len(sub.prompt), 0, 0, 0.0, 0.0, 0.0)))
+    sub.events.close()
 
 
 def tell(sub: Submit, event) -> bool:

@@ -29,6 +29,7 @@ CALLS: dict[Op, Callable[..., object]] = {
     Op.DECODE: ModelRunner.decode,
     Op.READ_LAYERS: ModelRunner.read_layers,
     Op.WRITE_LAYERS: ModelRunner.write_layers,
+    Op.COPY_SLOT: ModelRunner.copy_prefix,
 }
 
 

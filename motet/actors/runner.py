@@ -16,7 +16,7 @@ from ..model.expert_pool import DEVICE, ExpertPool, ExpertReader, Placement
 from ..model.expert_source import ArrayExpertReader
 from ..model.forward import empty_carry
 from ..model.generate import dispatch_decode, model_kv_sharding, padded_rows, prefill_slot, read_decode
-from ..model.kv import KVGeometry, batch_bucket, copy_slot, init_kv, read_slot_layer, write_slot_layer
+from ..model.kv import MIN_BUCKET, KVGeometry, batch_bucket, copy_slot, init_kv, read_slot_layer, write_slot_layer
 from ..model.logit_history import begin, empty_history, resample, sample_with_history, start_rows
 from ..model.model import Model
 from ..model.sampling import open_mask, request_key, sample
@@ -102,6 +102,9 @@ class ModelRunner:
         # steps; a resident decode step samples inside its own call): the scheduler splits
         # a step's time with it.
         self.sample_seconds = 0.0
+        # The fewest prompt tokens a copy of another slot's KV must save to beat reading
+        # them: the warm-up times both (warmup.copy_threshold); unmeasured, a chunk's least.
+        self.copy_min_tokens = MIN_BUCKET
         self.shared_bytes = shared_weight_bytes(model.weights)
         self.tiered: TieredModel | None = None
         self.pool: ExpertPool | None = None
@@ -145,7 +148,7 @@ class ModelRunner:
                 self.history = begin(self.history, np.int32(start), seen, bias)
         logits, experts = self._extend(slot, ids, offset)
         for fork_slot, _ in forks:
-            self.kv = copy_slot(self.kv, np.int32(slot), np.int32(fork_slot))
+            self._copy(slot, fork_slot)
         # the prompt's routing counts toward the first token: [layers, k·len(ids)]
         layers, tokens, k = experts.shape
         routing = experts.reshape(1, layers, tokens * k)
@@ -153,6 +156,15 @@ class ModelRunner:
         for fork_slot, fork_row in forks:  # a row at a time: the one-row sampler is compiled already
             sampled += self.sample_logits(logits[None], [fork_row], routing[:, :, :0], [fork_slot])
         return sampled
+
+    def copy_prefix(self, source: int, target: int) -> None:
+        """Slot `source`'s KV over slot `target`'s: a prompt's prefix that another slot
+        holds (the target's positions past it are its own prefill's to write)."""
+        self._mirror(Op.COPY_SLOT, source, target)
+        self._copy(source, target)
+
+    def _copy(self, source: int, target: int) -> None:
+        self.kv = copy_slot(self.kv, np.int32(source), np.int32(target))
 
     def extend(self, slot: int, ids: list[int], offset: int):
         """Run a chunk into the cache: (logits after its last token, routing [layers, t, k])."""

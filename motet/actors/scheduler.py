@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 
 import trio
 
@@ -23,11 +24,10 @@ from ..runtime.api import (
     FinishReason,
     TokenEvent,
     TopCandidate,
-    TurnStats,
 )
 from ..runtime.errors import QueueFull
-from ..runtime.slot_table import SlotTable
-from .active_request import Active, tell
+from ..runtime.slot_table import SlotTable, longest_prefix
+from .active_request import Active, end_unstarted, tell
 from .expert_cache import ExpertCache
 from .kv_slot import Claim, Extend, KVSlot, Release, SetHistory
 from .policy import StopMatcher, refusal
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, slots: list[KVSlot], queue_limit: int,
-                 experts: ExpertCache | None = None):
+                 experts: ExpertCache | None = None, share_prefixes: bool = True):
         self.runner = runner
         self.experts = experts
         self.tokenizer = runner.model.tokenizer
@@ -54,6 +54,7 @@ class Scheduler:
         self.table: SlotTable[Submit | Transfer] = SlotTable(len(slots), queue_limit)
         self.max_context = runner.geo.max_context
         self.publisher = Publisher(runner, experts)
+        self.share_prefixes = share_prefixes  # copy a prompt's prefix from any slot that holds it
         self.chunk = runner.geo.chunk
         self.inbox = open_inbox()
         self.active: dict[int, Active] = {}
@@ -176,7 +177,9 @@ class Scheduler:
         """Start a request on the slot the table holds for it."""
         send, recv = open_reply()
         await self.slots[slot].inbox.send.send(Claim(sub.prompt, send))
-        self.active[sub.request_id] = act = self._active(sub, slot, await recv.receive())
+        own = await recv.receive()
+        reused = await self._copy_shared_prefix(sub.prompt, slot, own)
+        self.active[sub.request_id] = act = self._active(sub, slot, reused, copied=reused - own)
         if sub.forks:
             self.forks[sub.request_id] = list(sub.forks)
         if act.cursor >= act.target:  # a prefill-only request the slot already holds
@@ -184,11 +187,24 @@ class Scheduler:
             return
         self.prefilling.append(sub.request_id)
 
-    def _active(self, sub: Submit, slot: int, reused: int) -> Active:
+    async def _copy_shared_prefix(self, prompt: tuple[int, ...], slot: int, reused: int) -> int:
+        """Copy the longest prefix of the prompt another slot holds into `slot` when that saves
+        enough (runner.copy_min_tokens); the prompt tokens the slot holds now."""
+        holders: list[tuple[int, Sequence[int]]] = [(a.slot, a.submit.prompt[: a.cursor])
+                                                    for a in self.active.values() if a.slot != slot]
+        holders += [(i, h) for i, h in enumerate(self.table.histories) if i != slot and not self.table.held(i)]
+        source, shared = longest_prefix(holders, prompt)
+        if not self.share_prefixes or source is None or shared - reused < self.runner.copy_min_tokens:
+            return reused
+        await trio.to_thread.run_sync(self.runner.copy_prefix, source, slot, limiter=self.limiter)
+        await self.slots[slot].inbox.send.send(SetHistory(prompt[:shared]))
+        return shared
+
+    def _active(self, sub: Submit, slot: int, reused: int, copied: int = 0) -> Active:
         req = sub.request
         seed = req.seed if req.seed is not None else sub.request_id
         return Active(
-            submit=sub, slot=slot, reused=reused, cursor=reused,
+            submit=sub, slot=slot, reused=reused, copied=copied, cursor=reused,
             detok=IncrementalDetokenizer(self.tokenizer), stops=StopMatcher(req.stop),
             key=self.runner.new_key(seed), started=time.perf_counter(),
             expert_counts=self.publisher.expert_zeros.copy(),
@@ -206,7 +222,7 @@ class Scheduler:
                 await self._submit(sub)
                 continue
             self.table.hold(slot, sub)
-            self.active[sub.request_id] = fork = self._active(sub, slot, len(sub.prompt))
+            self.active[sub.request_id] = fork = self._active(sub, slot, len(sub.prompt), copied=len(sub.prompt))
             fork.position = len(sub.prompt)
             forks.append(fork)
         return forks
@@ -330,7 +346,7 @@ class Scheduler:
         top = tuple(
             TopCandidate(tid, self.tokenizer.decode([tid]), lp) for tid, lp in sampled.top
         )[: act.request.top_logprobs]
-        if not self._send(act, TokenEvent(act.rid, text, token, sampled.logprob, top)):
+        if not tell(act.submit, TokenEvent(act.rid, text, token, sampled.logprob, top)):
             await self._finish(act, "cancelled")
             return
         if stopped:
@@ -340,51 +356,36 @@ class Scheduler:
         else:
             act.next_token = token
 
-    def _send(self, act: Active, event) -> bool:
-        return tell(act.submit, event)
-
     async def _cancel(self, rid: int) -> bool:
         for sub in self._queued():
             if sub.request_id == rid:
                 self.table.withdraw(sub)
                 for one in (sub, *sub.forks):
-                    self._end_unstarted(one, "cancelled")
+                    end_unstarted(one, "cancelled")
                 return True
         for forks in self.forks.values():
             for fork in forks:
                 if fork.request_id == rid:
                     forks.remove(fork)
-                    self._end_unstarted(fork, "cancelled")
+                    end_unstarted(fork, "cancelled")
                     return True
         if rid in self.active:
             await self._finish(self.active[rid], "cancelled")
             return True
         return False
 
-    def _end_unstarted(self, sub: Submit, reason: FinishReason):
-        tell(sub, FinishEvent(TurnStats(sub.request_id, -1, reason, len(sub.prompt), 0, 0, 0.0, 0.0, 0.0)))
-        sub.events.close()
-
     async def _finish(self, act: Active, reason: FinishReason, stop_matched: bool = False):
         rid = act.rid
         del self.active[rid]
         for fork in self.forks.pop(rid, []):  # its prompt never got prefilled: they end as it did
-            self._end_unstarted(fork, reason)
+            end_unstarted(fork, reason)
         if rid in self.decoding:
             self.decoding.remove(rid)
         if rid in self.prefilling:
             self.prefilling.remove(rid)
-        now = time.perf_counter()
-        tail = ""
-        if reason != "cancelled" and not stop_matched:
-            # Release what was held back: partial UTF-8, and a stop-string prefix that
-            # never completed (unless the rest of the text completes it).
-            tail, matched = act.stops.push(act.detok.flush())
-            if not matched:
-                tail += act.stops.flush()
-        stats, telemetry = act.turn_stats(reason, now), act.telemetry()
+        stats, telemetry = act.turn_stats(reason, time.perf_counter()), act.telemetry()
         report = self.publisher.report(stats, telemetry, act)
-        self._send(act, FinishEvent(stats, tail, telemetry, report, act.stops.matched))
+        tell(act.submit, FinishEvent(stats, act.tail(reason, stop_matched), telemetry, report, act.stops.matched))
         act.submit.events.close()
         send, recv = open_reply()
         await self.slots[act.slot].inbox.send.send(Release(send))

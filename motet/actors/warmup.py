@@ -10,6 +10,7 @@ inputs to one of a few sizes that the KV geometry (model/kv.py) and the expert p
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -130,19 +131,49 @@ def warm_up(runner: ModelRunner, plan: WarmupPlan, progress: Callable[[str, int,
         done += 1
         progress(what, done, total)
 
+    prefill_s: dict[int, float] = {}  # each chunk size's run
     with compiling_ahead(ahead, workers=compile_workers(), done=lambda shape: step(f"compiled {shape}")) as wait:
         for shape in plan.shapes:
             wait(shape)
+            started = time.perf_counter()
             _warm_shape(runner, shape)
+            if shape.kind == PREFILL:
+                runner.wait_ready()
+                prefill_s[shape.size] = time.perf_counter() - started
             step(f"ran {shape}")
     if any(shape.kind == PREFILL for shape in plan.shapes):
         # what a request with a penalty, a bias or a grammar adds: its slot's history
         # started, its first token sampled with it; and an n > 1 request's KV copy
         row, scratch = warm_constrained_row(runner.model.config.vocab_size), runner.geo.scratch_slot
         runner.prefill(scratch, [0], 0, row, ((0,), ((0, 1.0),)), forks=[(scratch, row)])
+        runner.copy_min_tokens = copy_threshold(runner, prefill_s)
     runner.new_key(0)
     runner.wait_ready()
     runner.sample_seconds = 0.0
+
+
+def copy_threshold(runner: ModelRunner, prefill_s: dict[int, float]) -> int:
+    """The fewest prompt tokens a copy of another slot's KV must save to beat reading
+    them: a slot's copy (the best of three) against the prefill chunks the warm-up ran,
+    each as long as the size it pads to."""
+    scratch, copies = runner.geo.scratch_slot, []
+    for _ in range(3):
+        started = time.perf_counter()
+        runner.copy_prefix(scratch, scratch)
+        runner.wait_ready()
+        copies.append(time.perf_counter() - started)
+    copy_s, below, threshold = min(copies), 0, 0
+    for size in sorted(prefill_s):
+        if prefill_s[size] > copy_s:
+            threshold = below + 1
+            break
+        below = size
+    else:  # a copy costs more than the longest chunk: as many of those as it takes
+        longest = max(prefill_s)
+        threshold = longest * math.ceil(copy_s / prefill_s[longest])
+    log.info("a slot's KV copy takes %.1f ms: it is used for prefixes of %d tokens or more", copy_s * 1e3,
+             threshold)
+    return threshold
 
 
 def _lowerings(runner: ModelRunner, plan: WarmupPlan):

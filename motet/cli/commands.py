@@ -136,7 +136,7 @@ def cmd_mux(config: Config, mirror=None) -> int:
     async def serve():
         async with Engine(loaded, kv_slots=config.kv_slots, max_context=mux.context, experts=mux.experts,
                           mesh=settings.mesh, mirror=mirror, compile_cache=settings.compile_cache,
-                          warm_up=config.warm_up) as engine:
+                          warm_up=config.warm_up, share_prefixes=config.share_prefixes) as engine:
             stdin = trio.lowlevel.FdStream(os.dup(0))
             stdout = trio.lowlevel.FdStream(protocol_fd)
             if mux.legacy:

@@ -31,7 +31,8 @@ def build_config(args, env: Mapping[str, str]) -> Config:
     model = model_settings(args, env)
     experts = expert_settings(args, env) if command in ("mux", "serve") else ExpertSettings()
     group = distributed_settings(args, env) if command in ("mux", "serve") else None
-    config = Config(command, model, experts=experts, group=group, warm_up=getattr(args, "warm_up", True))
+    config = Config(command, model, experts=experts, group=group, warm_up=getattr(args, "warm_up", True),
+                    share_prefixes=getattr(args, "share_prefixes", True))
     match command:
         case "chat":
             sampling = SamplingSettings(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -138,7 +139,7 @@ def serve_settings(args, env: Mapping[str, str], model: ModelSettings, experts: 
         slot_save_path=args.slot_save_path, experts=experts, **extra,
         split=SplitSettings.from_json(args.split) if args.split is not None else None,
         send_timeout_s=args.send_timeout, compile_cache=model.compile_cache, warm_up=args.warm_up,
-        tool_parser=args.tool_parser,
+        share_prefixes=args.share_prefixes, tool_parser=args.tool_parser,
     )
 
 

@@ -33,6 +33,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 def _add_warm_up_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                    help="be ready before compiling every shape (requests then wait while each new one compiles)")
+    p.add_argument("--no-share-prefixes", dest="share_prefixes", action="store_false",
+                   help="read every prompt's prefix in its own slot, never copying it from another slot")
 
 
 def _add_group_flags(p: argparse.ArgumentParser) -> None:

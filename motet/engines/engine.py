@@ -74,6 +74,7 @@ class Engine(Service, Collected):
         mirror: Callable[[bytes], None] | None = None,
         compile_cache: Path | str | None = "auto",
         warm_up: bool = True,
+        share_prefixes: bool = True,
     ):
         """dtype: "auto" runs a quantized file's weights as it holds them; "float32" or
         "bfloat16" dequantizes every weight; "int8" or "int4" (the CLI's --quantize) is
@@ -89,7 +90,9 @@ class Engine(Service, Collected):
         compile_cache: JAX's persistent compilation cache — "auto": the folder this
         program gave JAX, else ~/.cache/motet/jax; a folder; None: none set here.
         warm_up: compile and run every shape before the engine is ready (the default;
-        False starts sooner and compiles on first use, while requests wait)."""
+        False starts sooner and compiles on first use, while requests wait).
+        share_prefixes: a prompt whose prefix another slot holds, busy or idle, starts
+        from a device copy of it when that beats reading it (the warm-up times both)."""
         if not 1 <= kv_slots <= MAX_SLOTS:
             raise ValueError(f"kv_slots must be in [1, {MAX_SLOTS}], got {kv_slots}")
         if kv_dtype not in KV_DTYPE_CHOICES:
@@ -108,6 +111,7 @@ class Engine(Service, Collected):
         self._mirror = mirror
         self.compile_cache = compile_cache
         self.warm_up = warm_up
+        self.share_prefixes = share_prefixes
         self._clock: StartupClock | None = None
         self.expert_plan: ExpertPlan | None = None
         self.heat_file: HeatFile | None = None
@@ -159,7 +163,7 @@ class Engine(Service, Collected):
         slots = [KVSlot(i) for i in range(self.kv_slots)]
         for slot in slots:
             await nursery.start(slot.run)
-        self._scheduler = Scheduler(runner, slots, self.queue_limit, self._expert_cache)
+        self._scheduler = Scheduler(runner, slots, self.queue_limit, self._expert_cache, self.share_prefixes)
         await nursery.start(self._scheduler.run)
         self._experts = ExpertMap.for_model(self.model.config)
         self._experts.set_tiers(runner.expert_tiers())

@@ -88,6 +88,11 @@ class Metrics:
             "motet_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r)
         self.cache_hits = Counter(
             "motet_prefix_cache_hits", "Prompt tokens whose KV a slot already held.", registry=r)
+        self.tokens_copied = Counter(
+            "motet_prefix_tokens_copied", "Of the prefix cache's hits, prompt tokens copied from another slot.",
+            registry=r)
+        self.tokens_computed = Counter(
+            "motet_prompt_tokens_computed", "Prompt tokens read by a prefill (not found in any slot).", registry=r)
         self.ttft = Histogram("motet_time_to_first_token_seconds",
                               "From request to first token, queueing included.",
                               buckets=TTFT_BUCKETS, registry=r)
@@ -101,6 +106,8 @@ class Metrics:
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(stats.emitted_tokens)
         self.cache_queries.inc(stats.prompt_tokens)
+        self.tokens_copied.inc(stats.copied_tokens)
+        self.tokens_computed.inc(stats.prompt_tokens - stats.reused_tokens)
         self.cache_hits.inc(stats.reused_tokens)
         self.requests.labels(stats.finish_reason).inc()
 

@@ -54,6 +54,7 @@ class Op(IntEnum):
     DECODE = 4
     READ_LAYERS = 5
     WRITE_LAYERS = 6
+    COPY_SLOT = 7
 
 
 class MirrorError(ValueError):

@@ -157,6 +157,7 @@ class TurnStats:
     time_to_first_token_s: float
     decode_tokens_per_s: float
     total_s: float
+    copied_tokens: int = 0  # of the reused, those copied from another slot (prefix sharing, n choices)
 
 
 @dataclass(frozen=True)

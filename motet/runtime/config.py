@@ -186,6 +186,7 @@ class Config:
     experts: ExpertSettings = ExpertSettings()
     kv_slots: int = 16  # the engine's KV slots
     warm_up: bool = True  # the engine compiles every shape before it serves
+    share_prefixes: bool = True  # a prompt's prefix another slot holds is copied, not read again
     group: DistributedSettings | None = None  # one process of a group
     chat: ChatSettings | None = None
     mux: MuxSettings | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -22,9 +22,15 @@ import trio
 from .errors import BadRequest, QueueFull, SlotBusy
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """How many leading items two sequences share (token ids, or text)."""
     n = min(len(a), len(b))
     i = 0
+    while i < n:  # blocks compared by slices first: the scheduler asks this of every slot
+        j = min(i + 256, n)
+        if a[i:j] != b[i:j]:
+            break
+        i = j
     while i < n and a[i] == b[i]:
         i += 1
     return i
@@ -56,6 +62,17 @@ def choose_slot(slots: Sequence[SlotView], prompt: Sequence[int]) -> int | None:
     if reusable_prefix(best.history, prompt) > 0:
         return best.index
     return min(idle, key=lambda s: s.last_used).index
+
+
+def longest_prefix(holders: Iterable[tuple[int, Sequence]], prompt: Sequence) -> tuple[int | None, int]:
+    """Of (slot, what its KV holds) pairs, the slot that holds the longest reusable
+    prefix of the prompt, and its length; (None, 0) when none holds any."""
+    best: tuple[int | None, int] = (None, 0)
+    for slot, history in holders:
+        shared = reusable_prefix(history, prompt)
+        if shared > best[1]:
+            best = (slot, shared)
+    return best
 
 
 T = TypeVar("T")
