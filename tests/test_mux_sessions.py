@@ -75,11 +75,11 @@ def last(events, rid: int, kinds):
 
 
 @asynccontextmanager
-async def child(tmp_path, name: str = "child", **env):
+async def child(tmp_path, name: str = "child", flags: tuple[str, ...] = (), **env):
     stderr_path = tmp_path / f"{name}.stderr"
     with open(stderr_path, "wb") as stderr:
         process = await trio.lowlevel.open_process(
-            MUX_COMMAND, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+            [*MUX_COMMAND, *flags], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
             env={**os.environ, **LLAMA, **env}, cwd=REPO,
         )
     try:
@@ -119,7 +119,8 @@ def model_dir(tiny_model):
 async def test_save_then_restore_into_another_slot_answers_as_if_it_never_left(tmp_path, header):
     path = tmp_path / "sea.session"
     with trio.fail_after(TIMEOUT):
-        async with child(tmp_path) as c:
+        # no prefix sharing: a fresh slot reads the prompt itself, not a copy of slot 0's
+        async with child(tmp_path, flags=("--no-share-prefixes",)) as c:
             await c.send(submit(1, 0))
             assert isinstance(await c.answer(1), mux.Done)
             turn2 = PROMPT + text_of(c.events, 1) + b"<|im_end|>\n<|im_start|>user\nAnd rivers?<|im_end|>\n"
@@ -207,7 +208,8 @@ async def test_a_slot_in_use_is_busy_and_ids_in_flight_are_duplicates(tmp_path):
     assert answers[:2] == [mux.Error(2, "SLOT_BUSY"), mux.Error(3, "SLOT_BUSY")]
     assert duplicate == mux.Error(1, "DUPLICATE_ID")
     prefilled = answers[2]
-    assert isinstance(prefilled, mux.Prefilled) and (prefilled.slot, prefilled.reused) == (1, 0)
+    # slot 1 was empty, but busy slot 0 holds the same prompt: its KV is copied, none read
+    assert isinstance(prefilled, mux.Prefilled) and (prefilled.slot, prefilled.reused) == (1, prefilled.tokens)
     assert prefilled.tokens > 0
     assert turn_of(c.events, 5).reused_tokens == prefilled.tokens  # all but the last token, kept
     assert not os.path.exists(tmp_path / "busy.session")
