@@ -49,6 +49,16 @@ def test_flags_win_over_the_environment():
     assert config("chat", "--compile-cache", "", env=env).model.compile_cache is None  # '' turns it off
 
 
+def test_the_prefix_flags_reach_every_engine_command():
+    worker = ["worker", "--role", "mono", "--listen", "127.0.0.1:0"]
+    for argv in (["mux"], ["serve"], worker):
+        assert (config(*argv).share_prefixes, config(*argv).prefix_cache_gb) == (True, 0.0)
+        built = config(*argv, "--no-share-prefixes", "--prefix-cache-gb", "2.5")
+        assert (built.share_prefixes, built.prefix_cache_gb) == (False, 2.5)
+    serve = config("serve", "--no-share-prefixes", "--prefix-cache-gb", "1").serve
+    assert (serve.share_prefixes, serve.prefix_cache_gb) == (False, 1.0)
+
+
 def test_a_legacy_mux_serves_one_slot_and_keeps_its_sampling():
     built = config("mux", "--temperature", "0.5", env={"SERVE": "1", "KV_SLOTS": "4"})
     assert built.mux.legacy and built.kv_slots == 1 and built.sampling.temperature == 0.5
@@ -60,6 +70,7 @@ def test_a_legacy_mux_serves_one_slot_and_keeps_its_sampling():
     (["serve", "--host", "0.0.0.0"], {}, "without an API key"),
     (["serve"], {"MOTET_NUM_PROCESSES": "2"}, "missing: --coordinator"),
     (["chat", "--temperature", "-1"], {}, "temperature"),
+    (["serve", "--prefix-cache-gb", "-1"], {}, "--prefix-cache-gb must be >= 0"),
     (["worker", "--role", "decode", "--listen", "nowhere"], {}, "HOST:PORT"),
 ])
 def test_a_bad_value_is_refused_with_its_name(argv, env, message):

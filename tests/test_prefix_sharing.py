@@ -63,3 +63,28 @@ async def test_through_motet_mux_with_the_slots_the_submits_name(tiny_model):
             second = await engine.complete(system + "Name a colour.", max_tokens=4, slot=2)
     assert first.stats.reused_tokens == 0
     assert second.stats.reused_tokens >= held - 1  # where the text's tokens meet the question's
+
+
+async def test_a_prefix_pushed_out_of_its_slot_comes_back_from_the_store(tiny_model):
+    """One slot and a host-RAM store: conversation A, then B takes the slot (A's KV goes
+    to the store first), then A's next turn gets A's prefix back from the store. Its
+    answer and its reused tokens are those of an engine whose second slot kept A."""
+    model = tiny_model("llama")
+    rng = np.random.default_rng(9)
+    a, b, more = (rng.integers(3, model.config.vocab_size, size=n).tolist() for n in (64, 48, 10))
+
+    async def turns(engine):
+        first, _ = await answer(engine, a)
+        await answer(engine, b)
+        stored = engine.statistics().prefix_store_bytes
+        return await answer(engine, a + list(first) + more), stored
+
+    with trio.fail_after(TIMEOUT):
+        async with Engine(model, **{**TINY, "kv_slots": 2}) as engine:
+            (kept, kept_stats), _ = await turns(engine)
+        async with Engine(model, **{**TINY, "kv_slots": 1}, prefix_cache_gb=0.01) as engine:
+            (restored, restored_stats), stored = await turns(engine)
+    assert stored > 0
+    assert restored_stats.reused_tokens == kept_stats.reused_tokens > len(a)
+    assert restored_stats.copied_tokens == restored_stats.reused_tokens and kept_stats.copied_tokens == 0
+    assert restored == kept

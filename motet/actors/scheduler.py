@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
 
 import trio
 
@@ -26,11 +25,12 @@ from ..runtime.api import (
     TopCandidate,
 )
 from ..runtime.errors import QueueFull
-from ..runtime.slot_table import SlotTable, longest_prefix
+from ..runtime.slot_table import SlotTable
 from .active_request import Active, end_unstarted, tell
 from .expert_cache import ExpertCache
 from .kv_slot import Claim, Extend, KVSlot, Release, SetHistory
 from .policy import StopMatcher, refusal
+from .prefix_cache import PrefixCache
 from .publisher import Publisher
 from .runner import ModelRunner
 from .scheduler_messages import Accepted, Cancel, Drain, StopNow, Submit, Subscribe, refuse_queued
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, slots: list[KVSlot], queue_limit: int,
-                 experts: ExpertCache | None = None, share_prefixes: bool = True):
+                 experts: ExpertCache | None = None, share_prefixes: bool = True, prefix_store_bytes: int = 0):
         self.runner = runner
         self.experts = experts
         self.tokenizer = runner.model.tokenizer
@@ -54,7 +54,6 @@ class Scheduler:
         self.table: SlotTable[Submit | Transfer] = SlotTable(len(slots), queue_limit)
         self.max_context = runner.geo.max_context
         self.publisher = Publisher(runner, experts)
-        self.share_prefixes = share_prefixes  # copy a prompt's prefix from any slot that holds it
         self.chunk = runner.geo.chunk
         self.inbox = open_inbox()
         self.active: dict[int, Active] = {}
@@ -64,6 +63,7 @@ class Scheduler:
         self.closing = False
         self.drained: list[trio.MemorySendChannel] = []
         self.transfers = SlotTransfers(slots, self.table, runner, self.limiter)
+        self.prefixes = PrefixCache(runner, self.table, slots, self.limiter, share_prefixes, prefix_store_bytes)
         # per request with n > 1 choices whose prompt is not prefilled yet, its other choices
         self.forks: dict[int, list[Submit]] = {}
         # a decode step dispatched and not yet read back: its rows and the runner's handle
@@ -136,7 +136,8 @@ class Scheduler:
                 raise TypeError(f"the scheduler got an unknown message {msg!r}")
 
     def statistics(self) -> EngineStatistics:
-        return EngineStatistics(len(self.active), len(self.table.queue), len(self.slots), self.closing)
+        return EngineStatistics(len(self.active), len(self.table.queue), len(self.slots), self.closing,
+                                self.prefixes.stored_bytes)
 
     def _queued(self) -> list[Submit]:
         return [sub for sub, _ in self.table.queue if isinstance(sub, Submit)]
@@ -175,10 +176,11 @@ class Scheduler:
 
     async def _start(self, sub: Submit, slot: int):
         """Start a request on the slot the table holds for it."""
+        await self.prefixes.keep(slot, sub.prompt)
         send, recv = open_reply()
         await self.slots[slot].inbox.send.send(Claim(sub.prompt, send))
         own = await recv.receive()
-        reused = await self._copy_shared_prefix(sub.prompt, slot, own)
+        reused = await self.prefixes.fill(sub.prompt, slot, own, self.active.values())
         self.active[sub.request_id] = act = self._active(sub, slot, reused, copied=reused - own)
         if sub.forks:
             self.forks[sub.request_id] = list(sub.forks)
@@ -186,19 +188,6 @@ class Scheduler:
             await self._finish(act, "prefilled")
             return
         self.prefilling.append(sub.request_id)
-
-    async def _copy_shared_prefix(self, prompt: tuple[int, ...], slot: int, reused: int) -> int:
-        """Copy the longest prefix of the prompt another slot holds into `slot` when that saves
-        enough (runner.copy_min_tokens); the prompt tokens the slot holds now."""
-        holders: list[tuple[int, Sequence[int]]] = [(a.slot, a.submit.prompt[: a.cursor])
-                                                    for a in self.active.values() if a.slot != slot]
-        holders += [(i, h) for i, h in enumerate(self.table.histories) if i != slot and not self.table.held(i)]
-        source, shared = longest_prefix(holders, prompt)
-        if not self.share_prefixes or source is None or shared - reused < self.runner.copy_min_tokens:
-            return reused
-        await trio.to_thread.run_sync(self.runner.copy_prefix, source, slot, limiter=self.limiter)
-        await self.slots[slot].inbox.send.send(SetHistory(prompt[:shared]))
-        return shared
 
     def _active(self, sub: Submit, slot: int, reused: int, copied: int = 0) -> Active:
         req = sub.request
@@ -222,6 +211,7 @@ class Scheduler:
                 await self._submit(sub)
                 continue
             self.table.hold(slot, sub)
+            await self.prefixes.keep(slot, sub.prompt)
             self.active[sub.request_id] = fork = self._active(sub, slot, len(sub.prompt), copied=len(sub.prompt))
             fork.position = len(sub.prompt)
             forks.append(fork)

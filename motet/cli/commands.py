@@ -136,7 +136,8 @@ def cmd_mux(config: Config, mirror=None) -> int:
     async def serve():
         async with Engine(loaded, kv_slots=config.kv_slots, max_context=mux.context, experts=mux.experts,
                           mesh=settings.mesh, mirror=mirror, compile_cache=settings.compile_cache,
-                          warm_up=config.warm_up, share_prefixes=config.share_prefixes) as engine:
+                          warm_up=config.warm_up, share_prefixes=config.share_prefixes,
+                          prefix_cache_gb=config.prefix_cache_gb) as engine:
             stdin = trio.lowlevel.FdStream(os.dup(0))
             stdout = trio.lowlevel.FdStream(protocol_fd)
             if mux.legacy:

@@ -41,7 +41,8 @@ async def open_engine(settings: ServeSettings, model, mirror=None):
         async with Engine(model, kv_slots=settings.kv_slots, max_context=settings.max_context,
                           queue_limit=settings.queue_limit, experts=settings.experts,
                           mirror=mirror, compile_cache=settings.compile_cache,
-                          warm_up=settings.warm_up, share_prefixes=settings.share_prefixes) as engine:
+                          warm_up=settings.warm_up, share_prefixes=settings.share_prefixes,
+                          prefix_cache_gb=settings.prefix_cache_gb) as engine:
             yield engine
         return
     from ..engines.mux_engine import MuxEngine
@@ -95,7 +96,8 @@ def run_worker(config: Config) -> int:
     assert settings is not None  # a worker command's config has its part
     engine = dict(kv_slots=config.kv_slots, max_context=model.max_context or 4096, dtype=model.dtype,
                   kv_dtype=model.kv_dtype, mesh=model.mesh, compile_cache=model.compile_cache,
-                  warm_up=config.warm_up, share_prefixes=config.share_prefixes)
+                  warm_up=config.warm_up, share_prefixes=config.share_prefixes,
+                  prefix_cache_gb=config.prefix_cache_gb)
     try:
         with sole_error():
             trio.run(serve_worker, model.path, engine, settings)

@@ -31,8 +31,11 @@ def build_config(args, env: Mapping[str, str]) -> Config:
     model = model_settings(args, env)
     experts = expert_settings(args, env) if command in ("mux", "serve") else ExpertSettings()
     group = distributed_settings(args, env) if command in ("mux", "serve") else None
+    if getattr(args, "prefix_cache_gb", 0.0) < 0:
+        raise ValueError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
     config = Config(command, model, experts=experts, group=group, warm_up=getattr(args, "warm_up", True),
-                    share_prefixes=getattr(args, "share_prefixes", True))
+                    share_prefixes=getattr(args, "share_prefixes", True),
+                    prefix_cache_gb=getattr(args, "prefix_cache_gb", 0.0))
     match command:
         case "chat":
             sampling = SamplingSettings(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -139,7 +142,7 @@ def serve_settings(args, env: Mapping[str, str], model: ModelSettings, experts: 
         slot_save_path=args.slot_save_path, experts=experts, **extra,
         split=SplitSettings.from_json(args.split) if args.split is not None else None,
         send_timeout_s=args.send_timeout, compile_cache=model.compile_cache, warm_up=args.warm_up,
-        share_prefixes=args.share_prefixes, tool_parser=args.tool_parser,
+        share_prefixes=args.share_prefixes, prefix_cache_gb=args.prefix_cache_gb, tool_parser=args.tool_parser,
     )
 
 

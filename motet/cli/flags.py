@@ -35,6 +35,9 @@ def _add_warm_up_flag(p: argparse.ArgumentParser) -> None:
                    help="be ready before compiling every shape (requests then wait while each new one compiles)")
     p.add_argument("--no-share-prefixes", dest="share_prefixes", action="store_false",
                    help="read every prompt's prefix in its own slot, never copying it from another slot")
+    p.add_argument("--prefix-cache-gb", type=float, default=0.0, metavar="GB",
+                   help="host RAM for prefixes pushed out of the KV slots, written back when a prompt "
+                   "starts with one (default 0: none kept)")
 
 
 def _add_group_flags(p: argparse.ArgumentParser) -> None:

@@ -75,6 +75,7 @@ class Engine(Service, Collected):
         compile_cache: Path | str | None = "auto",
         warm_up: bool = True,
         share_prefixes: bool = True,
+        prefix_cache_gb: float = 0.0,
     ):
         """dtype: "auto" runs a quantized file's weights as it holds them; "float32" or
         "bfloat16" dequantizes every weight; "int8" or "int4" (the CLI's --quantize) is
@@ -92,7 +93,9 @@ class Engine(Service, Collected):
         warm_up: compile and run every shape before the engine is ready (the default;
         False starts sooner and compiles on first use, while requests wait).
         share_prefixes: a prompt whose prefix another slot holds, busy or idle, starts
-        from a device copy of it when that beats reading it (the warm-up times both)."""
+        from a device copy of it when that beats reading it (the warm-up times both).
+        prefix_cache_gb: host RAM for prefixes pushed out of the slots, written back into
+        a slot when a prompt starts with one (0: none kept)."""
         if not 1 <= kv_slots <= MAX_SLOTS:
             raise ValueError(f"kv_slots must be in [1, {MAX_SLOTS}], got {kv_slots}")
         if kv_dtype not in KV_DTYPE_CHOICES:
@@ -112,6 +115,9 @@ class Engine(Service, Collected):
         self.compile_cache = compile_cache
         self.warm_up = warm_up
         self.share_prefixes = share_prefixes
+        if prefix_cache_gb < 0:
+            raise ValueError(f"prefix_cache_gb must be >= 0, got {prefix_cache_gb}")
+        self.prefix_store_bytes = int(prefix_cache_gb * 1e9)
         self._clock: StartupClock | None = None
         self.expert_plan: ExpertPlan | None = None
         self.heat_file: HeatFile | None = None
@@ -163,7 +169,8 @@ class Engine(Service, Collected):
         slots = [KVSlot(i) for i in range(self.kv_slots)]
         for slot in slots:
             await nursery.start(slot.run)
-        self._scheduler = Scheduler(runner, slots, self.queue_limit, self._expert_cache, self.share_prefixes)
+        self._scheduler = Scheduler(runner, slots, self.queue_limit, self._expert_cache, self.share_prefixes,
+                                    self.prefix_store_bytes)
         await nursery.start(self._scheduler.run)
         self._experts = ExpertMap.for_model(self.model.config)
         self._experts.set_tiers(runner.expert_tiers())

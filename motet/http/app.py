@@ -285,6 +285,8 @@ class Server:
             body["startup"] = dataclasses.asdict(health.startup)
         if health.split is not None:  # a dead prefill engine is no outage: the decode engine reads
             body["split"] = dataclasses.asdict(health.split)
+        if stored := self.engine.statistics().prefix_store_bytes:  # --prefix-cache-gb
+            body["prefix_store_bytes"] = stored
         return body
 
     async def openapi(self):

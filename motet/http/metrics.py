@@ -36,6 +36,8 @@ class EngineCollector:
         yield _gauge("motet_requests_waiting", "Requests queued for a KV slot.", stats.waiting)
         yield _gauge("motet_kv_slots_busy", "KV slots in use.", stats.running)
         yield _gauge("motet_kv_slots_total", "KV slots.", stats.slots_total)
+        yield _gauge("motet_prefix_store_bytes", "Host RAM holding prefixes pushed out of the KV slots.",
+                     stats.prefix_store_bytes)
         experts = GaugeMetricFamily("motet_experts", "Experts per memory tier.", labels=["tier"])
         for tier, count in zip(TIERS, experts_per_tier(self.engine.expert_state().emap)):
             experts.add_metric([tier], count)

@@ -278,6 +278,7 @@ class EngineStatistics:
     waiting: int  # requests queued for a slot
     slots_total: int
     closing: bool  # draining: new requests are refused
+    prefix_store_bytes: int = 0  # host RAM holding prefixes pushed out of the slots (prefix_cache_gb)
 
 
 @dataclass(frozen=True)

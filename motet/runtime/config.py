@@ -187,6 +187,7 @@ class Config:
     kv_slots: int = 16  # the engine's KV slots
     warm_up: bool = True  # the engine compiles every shape before it serves
     share_prefixes: bool = True  # a prompt's prefix another slot holds is copied, not read again
+    prefix_cache_gb: float = 0.0  # host RAM for prefixes pushed out of the slots
     group: DistributedSettings | None = None  # one process of a group
     chat: ChatSettings | None = None
     mux: MuxSettings | None = None

@@ -68,6 +68,7 @@ class ServeSettings:
     compile_cache: Path | None = None  # the in-process engine's JAX compilation cache; None: off
     warm_up: bool = True  # the in-process engine compiles every shape before it serves
     share_prefixes: bool = True  # the in-process engine copies prefixes between slots
+    prefix_cache_gb: float = 0.0  # and keeps those pushed out of its slots in host RAM
     tool_parser: ToolFamily | None = None  # the format of the model's tool calls (http/tool_calls.py);
     # None: the one its chat template asks for
 
