@@ -198,9 +198,9 @@ def test_an_unknown_kv_dtype_is_refused_with_the_choices():
 
     with pytest.raises(UnsupportedModelError, match="unsupported KV dtype 'int3'; choose one of auto, float32"):
         load_model(GOLDEN / "llama", kv_dtype="int3")
-    with pytest.raises(ValueError, match="kv_dtype must be one of auto, float32, float16, bfloat16, got 'fp8'"):
-        Engine(kv_dtype="fp8")
-    with pytest.raises(ValueError, match="kv_dtype must be auto, float32, float16 or bfloat16"):
+    with pytest.raises(ValueError, match="kv_dtype must be one of auto, float32, float16, bfloat16, int8, fp8, got 'fp4'"):
+        Engine(kv_dtype="fp4")
+    with pytest.raises(ValueError, match="kv_dtype must be auto, float32, float16, bfloat16, int8 or fp8"):
         ModelSettings(kv_dtype="float64")
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from motet.model import native
+from motet.model import kv_quant, native
 from motet.model.attention import ATTN_BLOCK, attend_chunk, attend_rows
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels were not built")
@@ -163,3 +163,41 @@ def test_a_chunk_reads_only_its_slots_history_and_its_own_earlier_tokens():
     k2[10:], v2[10:] = 1e3, 1e3  # later tokens of the chunk: the first ten do not see them
     changed, _ = chunk_both(cfg, q, k2, v2, (k_cache, v_cache), 1, 100)
     np.testing.assert_array_equal(changed[:10], before[:10])
+
+
+def eight_bit(args, kind):
+    """The caches (arguments 3 and 4) quantized to an 8-bit cache, the rest as they are."""
+    k, v = args[3], args[4]
+    k_cache = kv_quant.QuantizedCache(*kv_quant.quantize(jnp.asarray(k), kind, axis=2))
+    v_cache = kv_quant.QuantizedCache(*kv_quant.quantize(jnp.asarray(v), kind, axis=3))
+    return (*args[:3], k_cache, v_cache, *args[5:])
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("shape", [(3, 3, 64), (1, 4, 24)])
+def test_an_8_bit_cache_is_read_as_xla_reads_it(isa, shape, kind):
+    """Values widened and scaled as read, by both paths alike: decode, and prefill over
+    a history."""
+    cfg, args = case(*shape, capacity=600 + ATTN_BLOCK, slots=5, positions=[0, 1, 7, 257, 300, 599])
+    args = eight_bit(args, kind)
+    assert native.ATTEND_ROWS in jax.jit(lambda *a: attend_rows(cfg, *a)).lower(*args).as_text()
+    kernel, xla = both(cfg, args)
+    np.testing.assert_allclose(kernel, xla, atol=2e-6, rtol=1e-5)
+    for tokens, offset in ((37, 0), (5, 599)):
+        _, q, k, v, caches = chunk_case(*shape, tokens, True, seed=tokens)
+        _, _, _, k_cache, v_cache = eight_bit((None, None, None, *caches), kind)
+        kernel, xla = chunk_both(cfg, q, k, v, (k_cache, v_cache), 2, offset)
+        np.testing.assert_allclose(kernel, xla, atol=2e-6, rtol=1e-5)
+
+
+def test_an_8_bit_cache_loses_only_its_rounding():
+    """Against the float32 cache it was quantized from (and the rows' own K and V rounded
+    as the cache holds them): int8's 255 steps a vector keep attention's output within
+    1e-2 of its largest value (measured 6e-3); fp8's 3 mantissa bits within 1e-1
+    (measured 5e-2)."""
+    cfg, args = case(3, 3, 64, capacity=600 + ATTN_BLOCK, slots=5, positions=[7, 300, 599])
+    exact, _ = both(cfg, args)
+    for kind, tolerance in (("int8", 1e-2), ("fp8", 1e-1)):
+        rounded, _ = both(cfg, eight_bit(args, kind))
+        error = np.abs(rounded - exact).max() / np.abs(exact).max()
+        assert 0 < error < tolerance, (kind, error)

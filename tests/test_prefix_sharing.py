@@ -1,11 +1,13 @@
 """Cross-slot prefix sharing: a prompt whose prefix another slot holds, busy or idle,
 starts from a device copy of that prefix's KV and reads only the rest. Its answer is the
 one a full prefill gives (the shared prefix is a whole number of chunks, so both read
-the rest in the same chunks: the same arithmetic, the same tokens)."""
+the rest in the same chunks: the same arithmetic, the same tokens). So it is with an
+8-bit cache, whose copies and stored prefixes are its own bytes."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import trio
 from conftest import mux_engine
 
@@ -27,13 +29,15 @@ async def answer(engine, prompt, **fields):
     return got.token_ids, got.stats
 
 
-async def test_a_prefix_another_slot_holds_is_copied_busy_or_idle(tiny_model):
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
+async def test_a_prefix_another_slot_holds_is_copied_busy_or_idle(tiny_model, kv_dtype):
     model = tiny_model("llama")
+    settings = {**TINY, "kv_dtype": kv_dtype}
     first, second, third = conversations(model)
     with trio.fail_after(TIMEOUT):
-        async with Engine(model, **TINY, share_prefixes=False) as engine:
+        async with Engine(model, **settings, share_prefixes=False) as engine:
             alone = [await answer(engine, prompt, slot=slot) for slot, prompt in enumerate((first, second, third))]
-        async with Engine(model, **TINY) as engine:
+        async with Engine(model, **settings) as engine:
             # the first still decoding when the second comes: its slot is busy
             long_first = []
             async with engine.stream(first, max_tokens=40, slot=0) as events:
@@ -65,7 +69,8 @@ async def test_through_motet_mux_with_the_slots_the_submits_name(tiny_model):
     assert second.stats.reused_tokens >= held - 1  # where the text's tokens meet the question's
 
 
-async def test_a_prefix_pushed_out_of_its_slot_comes_back_from_the_store(tiny_model):
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+async def test_a_prefix_pushed_out_of_its_slot_comes_back_from_the_store(tiny_model, kv_dtype):
     """One slot and a host-RAM store: conversation A, then B takes the slot (A's KV goes
     to the store first), then A's next turn gets A's prefix back from the store. Its
     answer and its reused tokens are those of an engine whose second slot kept A."""
@@ -80,9 +85,9 @@ async def test_a_prefix_pushed_out_of_its_slot_comes_back_from_the_store(tiny_mo
         return await answer(engine, a + list(first) + more), stored
 
     with trio.fail_after(TIMEOUT):
-        async with Engine(model, **{**TINY, "kv_slots": 2}) as engine:
+        async with Engine(model, **{**TINY, "kv_slots": 2}, kv_dtype=kv_dtype) as engine:
             (kept, kept_stats), _ = await turns(engine)
-        async with Engine(model, **{**TINY, "kv_slots": 1}, prefix_cache_gb=0.01) as engine:
+        async with Engine(model, **{**TINY, "kv_slots": 1}, kv_dtype=kv_dtype, prefix_cache_gb=0.01) as engine:
             (restored, restored_stats), stored = await turns(engine)
     assert stored > 0
     assert restored_stats.reused_tokens == kept_stats.reused_tokens > len(a)

@@ -126,6 +126,32 @@ async def test_a_float16_cache_round_trips_and_a_float32_engine_refuses_it(llama
                 await engine.restore_slot(3, path)
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+async def test_an_8_bit_cache_round_trips_and_other_engines_refuse_it(llama, tmp_path, kind):
+    """An 8-bit cache's file holds its values and scales as the device does (a byte a
+    value and 4 bytes a position and KV head), restores into an engine of the same kind
+    (the same answer as never leaving), and is refused by one of another kind."""
+    path = tmp_path / "s.session"
+    with trio.fail_after(TIMEOUT):
+        async with Engine(llama, kv_dtype=kind, **TINY) as engine:
+            assert (engine.session_header.dtype, engine.session_header.k_layout) == (kind, "tokens,kv_heads,head_dim+f32_scale")
+            first = await engine.complete(PROMPT, max_tokens=8, slot=0)
+            saved = await engine.save_slot(0, path)
+            turn2 = PROMPT + first.token_ids + (7, 8, 9)
+            expected = await engine.complete(turn2, max_tokens=8, slot=0)
+        cfg = llama.config
+        kv_bytes = 2 * cfg.n_layers * saved.tokens * cfg.n_kv_heads * (cfg.head_dim + 4)
+        assert kv_bytes < saved.bytes < kv_bytes + 4096
+        async with Engine(llama, kv_dtype=kind, **TINY) as engine:
+            await engine.restore_slot(3, path)
+            got = await engine.complete(turn2, max_tokens=8, slot=3)
+        assert got.stats.reused_tokens == saved.tokens and got.token_ids == expected.token_ids
+        for other in ({"int8": "fp8", "fp8": "int8"}[kind], "float16"):
+            async with Engine(llama, kv_dtype=other, **TINY) as engine:
+                with pytest.raises(SessionError, match=f"dtype: expected '{other}', found '{kind}'"):
+                    await engine.restore_slot(3, path)
+
+
 async def test_a_slot_in_use_cannot_be_saved_and_a_held_slot_refuses_requests(llama, tmp_path):
     with trio.fail_after(TIMEOUT):
         async with Engine(llama, **TINY) as engine:

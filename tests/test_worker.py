@@ -236,6 +236,45 @@ async def test_a_killed_prefill_worker_means_fallback(workers, spare_prefill):
     assert before.body == after.body == mono.body
 
 
+@pytest.fixture(scope="module")
+def eight_bit(tmp_path_factory):
+    """A prefill worker and a decode worker with an int8 KV cache."""
+    logs = tmp_path_factory.mktemp("eight_bit")
+    started = []
+    try:
+        prefill = start_worker(logs / "prefill.log", "prefill", "--kv-dtype", "int8")
+        started.append(prefill)
+        wait_listening(prefill)
+        decode = start_worker(logs / "decode.log", "decode", "--prefill", prefill.address, "--kv-dtype", "int8")
+        started.append(decode)
+        yield prefill, wait_listening(decode)
+    finally:
+        for worker in started:
+            stop(worker)
+
+
+async def test_an_int8_cache_crosses_the_wire_as_it_is_and_a_float_peer_is_refused(workers, eight_bit):
+    """The K_LAYER frames of an int8 cache carry a byte a value and a float32 scale a
+    position and KV head; the decode worker goes on from them as from its own prefill
+    (the same greedy answer); an int8 decode worker refuses a float32 prefill worker's
+    KV and reads the prompt itself."""
+    prefill, decode = eight_bit
+    with trio.fail_after(TIMEOUT):
+        async with connect(prefill.address) as frames:
+            await frames.send_msg(K_PREFILL, Msg({"temperature": "0", "dtype": "int8"}, PROMPT))
+            layers = [wire.decode_layer((await frames.receive()).payload) for _ in range(2)]
+            first = wire.decode_msg((await frames.receive()).payload)
+        split = await ask(decode.address, K_DECODE, PROMPT, max_tokens=12)
+        alone = await ask(decode.address, K_DECODE, PROMPT, max_tokens=12, prefill=free_port_address())
+        mixed = await ask(decode.address, K_DECODE, PROMPT, max_tokens=12, prefill=workers.prefill.address)
+    n = first.number("tokens")
+    assert [len(layer.data) for layer in layers] == [2 * n * 2 * (16 + 4)] * 2
+    assert (first.get("dtype"), first.get("kv_layout")) == ("int8", "tokens,kv_heads,head_dim+f32_scale")
+    assert split.get("fallback") == "0" and alone.get("fallback") == "1"
+    assert split.body == alone.body and split.get("tokens") == alone.get("tokens")
+    assert mixed.get("fallback") == "1" and "dtype" in mixed.get("reason") and mixed.body == alone.body
+
+
 def keep(frame: Frame):
     return [frame]
 

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from ..runtime.config import EXPERT_MODES
+from ..runtime.kv_format import KV_DTYPE_CHOICES
 from ..runtime.serve_settings import TOOL_FAMILIES
 
 
@@ -19,9 +20,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=("int8", "int4"), default=None,
                    help="quantize the weights a checkpoint holds as floats (bf16/f32 safetensors, "
                         "F16/F32 GGUF) at load: weight-only, a scale per 32 values")
-    p.add_argument("--kv-dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="auto",
                    help="the KV cache's element type (auto: float16 under quantized weights, as "
-                        "llama.cpp's cache; otherwise the weights' dtype)")
+                        "llama.cpp's cache; otherwise the weights' dtype; int8 and fp8: 8 bits with a "
+                        "float32 scale per position and KV head, half float16's bytes)")
     p.add_argument("--max-context", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--compile-cache", type=Path, default=None,
                    help="JAX's persistent compilation cache (MOTET_COMPILE_CACHE; '' turns it off)")

@@ -27,7 +27,7 @@ from ..actors.runner import ModelRunner
 from ..actors.scheduler import Cancel, Drain, Scheduler, StopNow, Subscribe
 from ..actors.warmup import StartupClock, WarmupPlan, warm_up
 from ..model.compilation import current_compile_cache
-from ..model.kv import KV_DTYPE_CHOICES, KVGeometry
+from ..model.kv import KVGeometry
 from ..model.model import Model
 from ..model.sharding import MeshSpec
 from ..protocol.session_file import SessionHeader
@@ -47,6 +47,7 @@ from ..runtime.collect import Collected
 from ..runtime.config import DEFAULT_COMPILE_CACHE, ExpertSettings
 from ..runtime.errors import EngineClosed, NotFound
 from ..runtime.experts import HITS_EVERY, ExpertMap, turn_entropy
+from ..runtime.kv_format import KV_DTYPE_CHOICES
 from ..runtime.service import Service
 from . import sessions, tokens
 from .experts_plan import plan_engine_experts
@@ -80,7 +81,8 @@ class Engine(Service, Collected):
         """dtype: "auto" runs a quantized file's weights as it holds them; "float32" or
         "bfloat16" dequantizes every weight; "int8" or "int4" (the CLI's --quantize) is
         auto with the file's float tensors quantized at load.
-        kv_dtype: the KV cache's element type, "float32", "float16" or "bfloat16"; "auto":
+        kv_dtype: the KV cache's element type, "float32", "float16" or "bfloat16", or 8
+        bits with a float32 scale per position and KV head: "int8" or "fp8" (e4m3); "auto":
         float16 under quantized weights (as llama.cpp's cache), else the weights' dtype
         (a Model passed in keeps the one it was loaded with).
         experts: where a MoE model's experts live (default: all on the device unless

@@ -15,10 +15,10 @@ import trio
 
 from .. import __version__
 from ..actors.slot_io import FreeSlot, HoldSlot, ReadLayers, WriteLayers
-from ..model.kv import KV_LAYOUT
 from ..model.model import Model
 from ..protocol.session_file import Session, SessionHeader, layer_arrays, read_session, write_session
 from ..runtime.api import SlotFile
+from ..runtime.kv_format import kv_layout
 
 Ask = Callable[[Callable], Awaitable]  # Engine._ask: send a message with a reply channel, await the answer
 
@@ -35,11 +35,11 @@ def model_fingerprint(model: Model) -> str:
 
 
 def session_header(model: Model, max_context: int) -> SessionHeader:
-    cfg = model.config
+    cfg, layout = model.config, kv_layout(model.kv_dtype)
     return SessionHeader(
         model=model_fingerprint(model), engine_version=__version__,
         dtype=model.kv_dtype, layers=cfg.n_layers,
-        kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, k_layout=KV_LAYOUT, v_layout=KV_LAYOUT,
+        kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, k_layout=layout, v_layout=layout,
         max_context=max_context, rope_theta=cfg.rope_theta, rope_scaling="",
         settings=(("backend", model.backend), ("weights", model.weight_format)),
     )

@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import native
+from . import kv_quant, native
 
 F32 = jnp.float32
-# What the native kernels read a cache in: float32, or 16-bit floats widened as read.
+# What the native kernels read a cache in: float32, or 16-bit floats widened as read, or
+# an 8-bit cache (kv_quant.py) widened and scaled as read.
 NATIVE_CACHE_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 
 
@@ -27,15 +28,45 @@ ATTN_BLOCK = 256
 
 
 def _native_cache(k_cache) -> bool:
-    return any(k_cache.dtype == t for t in NATIVE_CACHE_DTYPES)
+    return kv_quant.quantized(k_cache) or any(k_cache.dtype == t for t in NATIVE_CACHE_DTYPES)
+
+
+def _as_cached(k, v, k_cache):
+    """The new rows (K and V [rows, kv_heads, head_dim]) as an 8-bit cache will hold them:
+    every position is then read with the same values whether it is the step's own or
+    history, so an answer does not depend on where chunks, prefix copies or sessions
+    cut the prompt."""
+    if k_cache is None or not kv_quant.quantized(k_cache):
+        return k, v
+    kind = k_cache.kind
+    return kv_quant.rounded(k, kind, axis=-1), kv_quant.rounded(v, kind, axis=-1)
+
+
+def _cache_operands(k_cache, v_cache) -> tuple:
+    """The native kernels' K, V and their scales (one float each under a float cache,
+    which the kernels do not read)."""
+    if kv_quant.quantized(k_cache):
+        return k_cache.values, v_cache.values, k_cache.scales, v_cache.scales
+    unread = jnp.zeros((1,), F32)
+    return k_cache, v_cache, unread, unread
 
 
 def _history_block(k_cache, v_cache, slot, j):
-    """Block j of a slot's cache: K [k, d, ATTN_BLOCK], V [k, ATTN_BLOCK, d]."""
+    """Block j of a slot's cache: K [k, d, ATTN_BLOCK], V [k, ATTN_BLOCK, d] (an 8-bit
+    cache's widened to float32)."""
     _, nk, hd, _ = k_cache.shape
     start = j * ATTN_BLOCK
-    kb = jax.lax.dynamic_slice(k_cache, (slot, 0, 0, start), (1, nk, hd, ATTN_BLOCK))[0]
-    vb = jax.lax.dynamic_slice(v_cache, (slot, 0, start, 0), (1, nk, ATTN_BLOCK, hd))[0]
+
+    def block(cache, at, size):
+        return jax.lax.dynamic_slice(cache, (slot, *at), (1, *size))[0]
+
+    if not kv_quant.quantized(k_cache):
+        kb = block(k_cache, (0, 0, start), (nk, hd, ATTN_BLOCK))
+        return start, kb, block(v_cache, (0, start, 0), (nk, ATTN_BLOCK, hd))
+    kb = kv_quant.dequantize(block(k_cache.values, (0, 0, start), (nk, hd, ATTN_BLOCK)),
+                             block(k_cache.scales, (0, start), (nk, ATTN_BLOCK)), axis=1)
+    vb = kv_quant.dequantize(block(v_cache.values, (0, start, 0), (nk, ATTN_BLOCK, hd)),
+                             block(v_cache.scales, (0, start), (nk, ATTN_BLOCK)), axis=2)
     return start, kb, vb
 
 
@@ -58,6 +89,7 @@ def attend_chunk(cfg, q, k, v, k_cache, v_cache, slot, offset, use_native: bool 
     On the CPU, float32 operands go to the native kernel where it was built (XLA's dots,
     mask, softmax and copies here took a third of a prefill); use_native as attend_rows.
     """
+    k, v = _as_cached(k, v, k_cache)
     floats = q.dtype == F32 and (k_cache is None or _native_cache(k_cache))
     use_native = native.use_kernel(use_native, floats, "attention")
     if not use_native:
@@ -75,7 +107,7 @@ def _attend_chunk_native(cfg, history: bool, q, k, v, k_cache, v_cache, slot, of
     t, nk, g, hd = q.shape[0], cfg.n_kv_heads, cfg.group_size, cfg.head_dim
     call = jax.ffi.ffi_call(native.ATTEND_CHUNK, jax.ShapeDtypeStruct((t, nk, g, hd), F32))
     scalar = partial(jnp.reshape, shape=(1,))
-    out = call(q.reshape(t, nk, g, hd), k.transpose(1, 2, 0), v.transpose(1, 0, 2), k_cache, v_cache,
+    out = call(q.reshape(t, nk, g, hd), k.transpose(1, 2, 0), v.transpose(1, 0, 2), *_cache_operands(k_cache, v_cache),
                scalar(jnp.asarray(slot, jnp.int32)), scalar(jnp.asarray(offset, jnp.int32)),
                scale=np.float32(hd**-0.5), has_history=np.int64(history))
     return out.reshape(t, -1)
@@ -114,6 +146,7 @@ def attend_rows(cfg, q, k, v, k_cache, v_cache, slots, positions, use_native: bo
     decode step there. use_native: None picks it where it applies; False forces the XLA
     loops (tests).
     """
+    k, v = _as_cached(k, v, k_cache)
     use_native = native.use_kernel(use_native, _native_cache(k_cache) and q.dtype == F32, "attention")
     args = (q, k, v, k_cache, v_cache, slots, positions)
     if not use_native:
@@ -125,7 +158,7 @@ def attend_rows(cfg, q, k, v, k_cache, v_cache, slots, positions, use_native: bo
 def _attend_rows_native(cfg, q, k, v, k_cache, v_cache, slots, positions):
     b, nk, g, hd = q.shape[0], cfg.n_kv_heads, cfg.group_size, cfg.head_dim
     call = jax.ffi.ffi_call(native.ATTEND_ROWS, jax.ShapeDtypeStruct((b, nk, g, hd), F32))
-    out = call(q.reshape(b, nk, g, hd), k, v, k_cache, v_cache, slots.astype(jnp.int32),
+    out = call(q.reshape(b, nk, g, hd), k, v, *_cache_operands(k_cache, v_cache), slots.astype(jnp.int32),
                positions.astype(jnp.int32), scale=np.float32(hd**-0.5))
     return out.reshape(b, -1)
 

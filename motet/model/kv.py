@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..runtime.kv_format import KV_DTYPE_CHOICES, SCALED_KV, kv_row_bytes
+from . import kv_quant
 from .attention import ATTN_BLOCK
 from .config import ModelConfig
 
@@ -83,15 +85,11 @@ def _powers_up_to(n: int) -> list[int]:
     return [1 << i for i in range(n.bit_length()) if 1 << i < n] + [n]
 
 
-# What a KV cache may hold. "auto" (pick_kv_dtype): float16 under quantized weights, as
-# llama.cpp's cache: half float32's bytes, and the native attention widens it as it reads.
-KV_DTYPES = ("float32", "float16", "bfloat16")
-KV_DTYPE_CHOICES = ("auto", *KV_DTYPES)
-
-
 def pick_kv_dtype(asked: str, weights_dtype: str, quantized: bool) -> str:
-    """The cache's element type: `asked`, or for "auto" float16 under quantized weights
-    and the weights' own dtype otherwise (--dtype float32 keeps the float32 path whole)."""
+    """The cache's element type (runtime/kv_format.py): `asked`, or for "auto" float16
+    under quantized weights, as llama.cpp's cache (half float32's bytes; the native
+    attention widens it as it reads), and the weights' own dtype otherwise (--dtype
+    float32 keeps the float32 path whole)."""
     if asked not in KV_DTYPE_CHOICES:
         raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPE_CHOICES)}, got {asked!r}")
     if asked != "auto":
@@ -101,19 +99,24 @@ def pick_kv_dtype(asked: str, weights_dtype: str, quantized: bool) -> str:
 
 def kv_bytes_per_position(cfg: ModelConfig, dtype: str) -> int:
     """The bytes one position of one slot holds: K and V of every layer."""
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    return 2 * cfg.n_layers * cfg.n_kv_heads * kv_row_bytes(dtype, cfg.head_dim)
 
 
-def init_kv(cfg: ModelConfig, geo: KVGeometry, dtype=jnp.float32, sharding=None):
+def init_kv(cfg: ModelConfig, geo: KVGeometry, dtype: str = "float32", sharding=None):
     """Zeroed caches, per layer: K [slots + 1, kv_heads, head_dim, length] and
-    V [slots + 1, kv_heads, length, head_dim] (see forward.py). sharding: where they
+    V [slots + 1, kv_heads, length, head_dim] (see forward.py); an 8-bit dtype makes
+    each a kv_quant.QuantizedCache of those values and their scales. sharding: where they
     live (on a mesh: sharding.kv_sharding, split along kv_heads); None: the default device."""
     slots = geo.n_slots + 1
-    k = [jnp.zeros((slots, cfg.n_kv_heads, cfg.head_dim, geo.length), dtype, device=sharding)
-         for _ in range(cfg.n_layers)]
-    v = [jnp.zeros((slots, cfg.n_kv_heads, geo.length, cfg.head_dim), dtype, device=sharding)
-         for _ in range(cfg.n_layers)]
-    return k, v
+    k_shape = (slots, cfg.n_kv_heads, cfg.head_dim, geo.length)
+    v_shape = (slots, cfg.n_kv_heads, geo.length, cfg.head_dim)
+
+    def layer(shape):
+        if dtype in SCALED_KV:
+            return kv_quant.zeros(dtype, shape, (slots, cfg.n_kv_heads, geo.length), sharding)
+        return jnp.zeros(shape, dtype, device=sharding)
+
+    return [layer(k_shape) for _ in range(cfg.n_layers)], [layer(v_shape) for _ in range(cfg.n_layers)]
 
 
 @partial(jax.jit, donate_argnums=0)
@@ -126,35 +129,51 @@ def copy_slot(kv, source, target):
         rows = jax.lax.dynamic_index_in_dim(layer, source, keepdims=True)
         return jax.lax.dynamic_update_index_in_dim(layer, rows, target, axis=0)
 
-    k, v = kv
-    return [copy(layer) for layer in k], [copy(layer) for layer in v]
+    return jax.tree.map(copy, kv)
 
 
 # ---- one slot's KV as host arrays (sessions, handovers) ----------------------------------
 # On the host a layer's K and V are both [tokens, kv_heads, head_dim]: the layout a session
 # file and a K_LAYER frame carry, whatever the device layout is.
 
-KV_LAYOUT = "tokens,kv_heads,head_dim"
-
-
 def read_slot_layer(kv, layer: int, slot: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """The first `tokens` positions of one layer of `slot`, (K, V), contiguous host arrays."""
+    """The first `tokens` positions of one layer of `slot`, (K, V), contiguous host arrays
+    [tokens, kv_heads, row] (runtime/kv_format.py)."""
     k, v = kv
     # A bucketed width comes over (a few compiled slices cover every length), then numpy
     # cuts it to size.
     k_rows, v_rows = _take_layer(k[layer], v[layer], slot, width=slot_width(tokens, k[layer].shape[-1]))
-    k_rows = _on_host(k_rows)[:, :, :tokens].transpose(2, 0, 1)
-    v_rows = _on_host(v_rows)[:, :tokens, :].transpose(1, 0, 2)
-    return np.ascontiguousarray(k_rows), np.ascontiguousarray(v_rows)
+    if kv_quant.quantized(k_rows):
+        return (kv_quant.pack_rows(_keys_on_host(k_rows.values, tokens), _scales_on_host(k_rows.scales, tokens)),
+                kv_quant.pack_rows(_values_on_host(v_rows.values, tokens), _scales_on_host(v_rows.scales, tokens)))
+    return _keys_on_host(k_rows, tokens), _values_on_host(v_rows, tokens)
+
+
+def _keys_on_host(k, tokens: int) -> np.ndarray:  # [kv_heads, head_dim, width] → [tokens, kv_heads, head_dim]
+    return np.ascontiguousarray(_on_host(k)[:, :, :tokens].transpose(2, 0, 1))
+
+
+def _values_on_host(v, tokens: int) -> np.ndarray:  # [kv_heads, width, head_dim] → [tokens, kv_heads, head_dim]
+    return np.ascontiguousarray(_on_host(v)[:, :tokens, :].transpose(1, 0, 2))
+
+
+def _scales_on_host(s, tokens: int) -> np.ndarray:  # [kv_heads, width] → [tokens, kv_heads]
+    return np.ascontiguousarray(_on_host(s)[:, :tokens].T)
 
 
 @partial(jax.jit, static_argnames=("width",))
 def _take_layer(k_layer, v_layer, slot, *, width: int):
     """A slot's first `width` positions of one layer: K [kv_heads, head_dim, width], V
-    [kv_heads, width, head_dim]. The slot is traced, so one compile serves every slot."""
-    k = jax.lax.dynamic_index_in_dim(k_layer, slot, keepdims=False)
-    v = jax.lax.dynamic_index_in_dim(v_layer, slot, keepdims=False)
-    return k[:, :, :width], v[:, :width, :]
+    [kv_heads, width, head_dim] (and an 8-bit cache's scales, [kv_heads, width]). The
+    slot is traced, so one compile serves every slot."""
+
+    def take(x, axis):  # axis: the positions', once the slot's is gone
+        return jax.lax.slice_in_dim(jax.lax.dynamic_index_in_dim(x, slot, keepdims=False), 0, width, axis=axis)
+
+    if kv_quant.quantized(k_layer):
+        return (kv_quant.QuantizedCache(take(k_layer.values, 2), take(k_layer.scales, 1)),
+                kv_quant.QuantizedCache(take(v_layer.values, 1), take(v_layer.scales, 1)))
+    return take(k_layer, 2), take(v_layer, 1)
 
 
 def _on_host(x) -> np.ndarray:
@@ -169,19 +188,33 @@ def _on_host(x) -> np.ndarray:
 
 @partial(jax.jit, donate_argnums=(0, 1))
 def _put_layer(k_layer, v_layer, k_rows, v_rows, slot):
-    k_rows = k_rows.transpose(1, 2, 0)[None].astype(k_layer.dtype)  # [1, kv_heads, head_dim, t]
-    v_rows = v_rows.transpose(1, 0, 2)[None].astype(v_layer.dtype)  # [1, kv_heads, t, head_dim]
-    return (jax.lax.dynamic_update_slice(k_layer, k_rows, (slot, 0, 0, 0)),
-            jax.lax.dynamic_update_slice(v_layer, v_rows, (slot, 0, 0, 0)))
+    """Host rows [t, kv_heads, head_dim] (an 8-bit cache's as QuantizedCache(values,
+    scales [t, kv_heads])) at positions 0.. of `slot`."""
+
+    def put(cache, rows, order):
+        rows = rows.transpose(order)[None].astype(cache.dtype)
+        return jax.lax.dynamic_update_slice(cache, rows, (slot,) + (0,) * (cache.ndim - 1))
+
+    def put_layer(cache, rows, order):
+        if not kv_quant.quantized(cache):
+            return put(cache, rows, order)
+        return kv_quant.QuantizedCache(put(cache.values, rows.values, order), put(cache.scales, rows.scales, (1, 0)))
+
+    # to [kv_heads, head_dim, t] and [kv_heads, t, head_dim]
+    return put_layer(k_layer, k_rows, (1, 2, 0)), put_layer(v_layer, v_rows, (1, 0, 2))
 
 
 def write_slot_layer(kv, geo: KVGeometry, layer: int, slot: int, k_rows: np.ndarray, v_rows: np.ndarray):
-    """Store host rows ([tokens, kv_heads, head_dim] each) at positions 0.. of one layer of
-    `slot` (in place); returns the updated kv. Rows are padded to a bucket so a few
-    compiled shapes cover every length; the padding lands past the slot's history."""
+    """Store host rows ([tokens, kv_heads, row] each, as read_slot_layer gives them) at
+    positions 0.. of one layer of `slot` (in place); returns the updated kv. Rows are
+    padded to a bucket so a few compiled shapes cover every length; the padding lands
+    past the slot's history."""
     tokens = k_rows.shape[0]
     width = slot_width(tokens, geo.length)
     pad = ((0, width - tokens), (0, 0), (0, 0))
     k, v = list(kv[0]), list(kv[1])
-    k[layer], v[layer] = _put_layer(k[layer], v[layer], np.pad(k_rows, pad), np.pad(v_rows, pad), slot)
+    rows: list = [np.pad(k_rows, pad), np.pad(v_rows, pad)]
+    if kv_quant.quantized(k[layer]):
+        rows = [kv_quant.QuantizedCache(*kv_quant.unpack_rows(r, k[layer].kind)) for r in rows]
+    k[layer], v[layer] = _put_layer(k[layer], v[layer], *rows, slot)
     return k, v

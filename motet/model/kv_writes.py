@@ -15,7 +15,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from . import native
+from . import kv_quant, native
 
 _CACHE_TYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 
@@ -41,6 +41,8 @@ def _native(k_cache, new_k) -> bool:
     """Whether the native write takes these: caches on one CPU device, of a type it
     stores, and float32 rows."""
     first = k_cache[0]
+    if kv_quant.quantized(first):
+        return False
     if not (native.available() and new_k[0].dtype == jnp.float32 and first.dtype in _CACHE_TYPES
             and isinstance(first, jax.Array) and len(first.sharding.device_set) == 1):
         return False
@@ -72,19 +74,36 @@ def _write_chunk_xla(k_cache, v_cache, new_k, new_v, slot, offset):
         # `shift` rows into the window, after the window's own old rows.
         start = jnp.minimum(offset, length - t)
         shift = offset - start
-        at = [slot, 0, 0, 0]
+        at = [slot] + [0] * (cache.ndim - 1)
         at[axis] = start
         old = jax.lax.dynamic_slice(cache, at, rows.shape)
         placed = jnp.roll(rows, shift, axis=axis)
-        keep = (jnp.arange(t) < shift).reshape([t if a == axis else 1 for a in range(4)])
+        keep = (jnp.arange(t) < shift).reshape([t if a == axis else 1 for a in range(cache.ndim)])
         return jax.lax.dynamic_update_slice(cache, jnp.where(keep, old, placed), at)
 
-    return [put(c, r, 3) for c, r in zip(k_cache, new_k)], [put(c, r, 2) for c, r in zip(v_cache, new_v)]
+    def store(cache, rows, axis, dim):  # dim: head_dim's axis in `rows` [k, d, t] or [k, t, d]
+        if not kv_quant.quantized(cache):
+            return put(cache, rows, axis)
+        values, scales = kv_quant.quantize(rows, cache.kind, dim)
+        return kv_quant.QuantizedCache(put(cache.values, values, axis), put(cache.scales, scales, 2))
+
+    return ([store(c, r, 3, 1) for c, r in zip(k_cache, new_k)],
+            [store(c, r, 2, 2) for c, r in zip(v_cache, new_v)])
 
 
 @partial(jax.jit, donate_argnums=(0, 1))
 def _write_rows_xla(k_cache, v_cache, new_k, new_v, slots, positions):
-    return (
-        [c.at[slots, :, :, positions].set(r.astype(c.dtype)) for c, r in zip(k_cache, new_k)],
-        [c.at[slots, :, positions].set(r.astype(c.dtype)) for c, r in zip(v_cache, new_v)],
-    )
+    def store(cache, rows, key: bool):  # rows [b, k, d]
+        if not kv_quant.quantized(cache):
+            return _put_rows(cache, rows.astype(cache.dtype), slots, positions, key)
+        values, scales = kv_quant.quantize(rows, cache.kind, 2)
+        return kv_quant.QuantizedCache(_put_rows(cache.values, values, slots, positions, key),
+                                       cache.scales.at[slots, :, positions].set(scales))
+
+    return [store(c, r, True) for c, r in zip(k_cache, new_k)], [store(c, r, False) for c, r in zip(v_cache, new_v)]
+
+
+def _put_rows(cache, rows, slots, positions, key: bool):
+    if key:  # K [slots, k, d, l]
+        return cache.at[slots, :, :, positions].set(rows)
+    return cache.at[slots, :, positions].set(rows)

@@ -15,13 +15,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from ..runtime.kv_format import KV_DTYPE_CHOICES
 from . import native
 from .chat_template import CHATML_TEMPLATE, render_chat
 from .config import config_from_gguf, config_from_hf
 from .errors import ModelFileError, UnsupportedModelError
 from .expert_source import SourceExpertReader
 from .gguf_file import GGUF_MAGIC, GGUFSource, gguf_metadata, open_gguf
-from .kv import KV_DTYPE_CHOICES, pick_kv_dtype
+from .kv import pick_kv_dtype
 from .model import Model
 from .requantize import QUANTIZE_CHOICES, QuantizingSource
 from .safetensors_dir import SafetensorsSource
@@ -65,7 +66,7 @@ def load_model(path: str | Path | None = None, dtype: str = AUTO, max_context: i
     mesh: shard the weights over several devices ("ep=4,tp=2", a MeshSpec or a Mesh with
     axes (ep, tp); see sharding.py), each leaf read into its shards directly; with
     lazy_experts only the shared weights (the pool is split over ep, not yet over tp).
-    kv_dtype: the KV cache's element type (kv.KV_DTYPE_CHOICES; auto: float16 under
+    kv_dtype: the KV cache's element type (runtime/kv_format.py; auto: float16 under
     quantized weights, else the weights' dtype)."""
     if dtype not in DTYPE_CHOICES:
         raise UnsupportedModelError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")

@@ -31,7 +31,7 @@ class Model:
     # Set when the experts were left in the model file (load_model(lazy_experts=True)):
     # they are read one by one into a tiered ExpertPool, and `weights` has none.
     expert_reader: ExpertReader | None = None
-    # The KV cache's element type (kv.KV_DTYPES); load_model picks it (kv.pick_kv_dtype).
+    # The KV cache's element type (runtime/kv_format.py); load_model picks it (kv.pick_kv_dtype).
     kv_dtype: str = "float32"
 
     @cached_property

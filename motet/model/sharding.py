@@ -45,8 +45,9 @@ LEAF_SPECS = {
     "experts_down": P(EP, TP, None),
 }
 # The KV cache, K [slots, kv_heads, head_dim, length] and V [slots, kv_heads, length,
-# head_dim]: both split along kv_heads.
-KV_SPEC = P(None, TP, None, None)
+# head_dim]: both split along kv_heads (an 8-bit cache's scales [slots, kv_heads, length]
+# too: the spec names the first two axes only).
+KV_SPEC = P(None, TP)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from typing import BinaryIO
 import ml_dtypes  # noqa: F401 - gives numpy the bfloat16 dtype's name
 import numpy as np
 
+from ..runtime.kv_format import host_row
 from .wire import layer_checksum
 
 MAGIC = b"motet session\n"  # readable with `head -1`
@@ -152,8 +153,9 @@ def _fsync_dir(directory: str) -> None:
 def layer_arrays(header: SessionHeader, tokens: int, k: bytes | memoryview,
                  v: bytes | memoryview) -> tuple[np.ndarray, np.ndarray]:
     """A layer's bytes as host arrays; SessionError when their size does not fit."""
-    dtype = np.dtype(header.dtype)  # bfloat16 too: ml_dtypes gives numpy its name
-    shape = (tokens, header.kv_heads, header.head_dim)
+    name, row = host_row(header.dtype, header.head_dim)
+    dtype = np.dtype(name)  # bfloat16 too: ml_dtypes gives numpy its name
+    shape = (tokens, header.kv_heads, row)
     want = int(np.prod(shape)) * dtype.itemsize
     for name, blob in (("K", k), ("V", v)):
         if len(blob) != want:

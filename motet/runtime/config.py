@@ -23,7 +23,7 @@ DEFAULT_COMPILE_CACHE = Path.home() / ".cache" / "motet" / "jax"
 # int8 / int4 (--quantize): auto, with the file's float tensors quantized at load
 WeightFormat = Literal["auto", "float32", "bfloat16", "int8", "int4"]
 # the KV cache's element type; auto: float16 under quantized weights, else the weights'
-KVDtype = Literal["auto", "float32", "float16", "bfloat16"]
+KVDtype = Literal["auto", "float32", "float16", "bfloat16", "int8", "fp8"]  # runtime/kv_format.py
 ExpertMode = Literal["auto", "resident", "tiered"]
 ExpertPolicyKind = Literal["heat", "lru"]  # actors/expert_policy.py
 
@@ -41,7 +41,7 @@ class ModelSettings:
         if self.dtype not in get_args(WeightFormat):
             raise ValueError(f"dtype must be auto, float32, bfloat16, int8 or int4, got {self.dtype!r}")
         if self.kv_dtype not in get_args(KVDtype):
-            raise ValueError(f"kv_dtype must be auto, float32, float16 or bfloat16, got {self.kv_dtype!r}")
+            raise ValueError(f"kv_dtype must be auto, float32, float16, bfloat16, int8 or fp8, got {self.kv_dtype!r}")
         if self.max_context is not None and self.max_context < 16:
             raise ValueError(f"max_context must be at least 16, got {self.max_context}")
 

@@ -23,7 +23,10 @@ struct Packed {
 
 // What a KV cache holds: float32, or 16-bit floats (IEEE half, as llama.cpp's cache, or
 // bfloat16), widened to float32 as they are read.
-enum Elem : int { F32 = 0, F16 = 1, BF16 = 2 };
+// A KV cache's element type. I8 and E4M3 (fp8) come with a float32 scale per position
+// and KV head ([slots, kv_heads, capacity]), the value times its scale being the number.
+enum Elem : int { F32 = 0, F16 = 1, BF16 = 2, I8 = 3, E4M3 = 4 };
+constexpr bool scaled(int elem) { return elem == I8 || elem == E4M3; }
 
 struct QWeights {
   int kind;               // Q4: two 4-bit values a byte; Q8: one int8 a byte
@@ -61,6 +64,8 @@ struct Attention {
   const void* k_cache;      // [slots, kv_heads, head_dim, capacity] of cache_elem
   const void* v_cache;      // [slots, kv_heads, capacity, head_dim] of cache_elem
   int cache_elem;
+  const float* k_scales;    // [slots, kv_heads, capacity] where scaled(cache_elem)
+  const float* v_scales;
   const int32_t* slot;      // [rows]
   const int32_t* position;  // [rows]
   float* out;               // [rows, kv_heads, group, head_dim]
@@ -126,6 +131,8 @@ struct ChunkAttention {
   const void* k_cache;   // as Attention's, or null
   const void* v_cache;
   int cache_elem;
+  const float* k_scales;  // as Attention's
+  const float* v_scales;
   int64_t slot, offset;
   float* out;            // [tokens, kv_heads, group, head_dim]
 };

@@ -198,14 +198,26 @@ int cache_elem(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v) {
     case ffi::DataType::F32: return motet_qmatmul::F32;
     case ffi::DataType::F16: return motet_qmatmul::F16;
     case ffi::DataType::BF16: return motet_qmatmul::BF16;
+    case ffi::DataType::S8: return motet_qmatmul::I8;
+    case ffi::DataType::U8: return motet_qmatmul::E4M3;  // kv_quant.py keeps fp8 as its bit patterns
     default: return -1;
   }
 }
 
+#define CACHE_TYPES(name) name ": the caches are not both float32, float16, bfloat16, int8 or uint8 (fp8 e4m3)"
+
+// An 8-bit cache's scales hold `count` floats each (a float cache's are not read).
+bool scales_fit(int elem, const ffi::Buffer<ffi::F32>& k, const ffi::Buffer<ffi::F32>& v, int64_t count) {
+  return !motet_qmatmul::scaled(elem) ||
+         (static_cast<int64_t>(k.element_count()) == count && static_cast<int64_t>(v.element_count()) == count);
+}
+
 // Decode attention (qmatmul.h's Attention): q [rows, kv_heads, group, head_dim], the
-// rows' new K and V [rows, kv_heads, head_dim], the caches, slots and positions [rows].
+// rows' new K and V [rows, kv_heads, head_dim], the caches and their scales (any size
+// under a float cache), slots and positions [rows].
 ffi::Error AttendRows(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
                       ffi::Buffer<ffi::F32> v_new, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                      ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
                       ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> positions,
                       ffi::ResultBuffer<ffi::F32> out, float scale) {
   const auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions();
@@ -219,10 +231,13 @@ ffi::Error AttendRows(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buf
       cached < 1)
     return ffi::Error::InvalidArgument("attend_rows: shapes do not agree");
   const int elem = cache_elem(k_cache, v_cache);
-  if (elem < 0) return ffi::Error::InvalidArgument("attend_rows: the caches are not both float32, float16 or bfloat16");
+  if (elem < 0) return ffi::Error::InvalidArgument(CACHE_TYPES("attend_rows"));
+  if (!scales_fit(elem, k_scales, v_scales, cached * heads * capacity))
+    return ffi::Error::InvalidArgument("attend_rows: an 8-bit cache's scales are not [slots, kv_heads, capacity]");
   const motet_qmatmul::Attention a{rows, heads, group, hd, cached, capacity, scale,
                                    q.typed_data(), k_new.typed_data(), v_new.typed_data(),
-                                   k_cache.untyped_data(), v_cache.untyped_data(), elem, slots.typed_data(),
+                                   k_cache.untyped_data(), v_cache.untyped_data(), elem,
+                                   k_scales.typed_data(), v_scales.typed_data(), slots.typed_data(),
                                    positions.typed_data(), out->typed_data()};
   chosen().attend(a, on_pool(threads));
   return ffi::Error::Success();
@@ -230,10 +245,10 @@ ffi::Error AttendRows(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buf
 
 // Prefill attention (qmatmul.h's ChunkAttention): q [tokens, kv_heads, group, head_dim],
 // the chunk's K [kv_heads, head_dim, tokens] and V [kv_heads, tokens, head_dim], the
-// caches (read where has_history), slot and offset (one int32 each).
+// caches and their scales (read where has_history), slot and offset (one int32 each).
 ffi::Error AttendChunk(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_chunk,
                        ffi::Buffer<ffi::F32> v_chunk, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
-                       ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> offset, ffi::ResultBuffer<ffi::F32> out,
+                       ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> offset, ffi::ResultBuffer<ffi::F32> out,
                        float scale, int64_t has_history) {
   const auto qd = q.dimensions(), kd = k_chunk.dimensions(), vd = v_chunk.dimensions();
   const auto cd = k_cache.dimensions(), cv = v_cache.dimensions();
@@ -246,11 +261,14 @@ ffi::Error AttendChunk(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Bu
                        cv[2] != cd[3] || cv[3] != hd)))
     return ffi::Error::InvalidArgument("attend_chunk: shapes do not agree");
   const int elem = cache_elem(k_cache, v_cache);
-  if (elem < 0) return ffi::Error::InvalidArgument("attend_chunk: the caches are not both float32, float16 or bfloat16");
+  if (elem < 0) return ffi::Error::InvalidArgument(CACHE_TYPES("attend_chunk"));
+  if (has_history && !scales_fit(elem, k_scales, v_scales, cd[0] * heads * cd[3]))
+    return ffi::Error::InvalidArgument("attend_chunk: an 8-bit cache's scales are not [slots, kv_heads, capacity]");
   const motet_qmatmul::ChunkAttention a{t, heads, group, hd, cd[0], cd[3], scale,
                                         q.typed_data(), k_chunk.typed_data(), v_chunk.typed_data(),
                                         has_history ? k_cache.untyped_data() : nullptr,
                                         has_history ? v_cache.untyped_data() : nullptr, elem,
+                                        k_scales.typed_data(), v_scales.typed_data(),
                                         slot.typed_data()[0], offset.typed_data()[0], out->typed_data()};
   chosen().attend_chunk(a, on_pool(threads));
   return ffi::Error::Success();
@@ -288,6 +306,8 @@ auto attention_binding() {
       .Arg<ffi::Buffer<ffi::F32>>()
       .Arg<ffi::AnyBuffer>()
       .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
       .Arg<ffi::Buffer<ffi::S32>>()
       .Arg<ffi::Buffer<ffi::S32>>()
       .Ret<ffi::Buffer<ffi::F32>>()
