@@ -2,10 +2,11 @@
 scale per position and KV head) costs in accuracy against a float one, and what it saves
 in memory and in a long context's decode step. Not part of CI.
 
-    .venv/bin/python benchmarks/kv_cache.py [--models default,qwen3_moe] [--tokens 48]
+    .venv/bin/python benchmarks/kv_cache.py [--models default,qwen3_moe,PATH] [--tokens 48]
 
-Per model (the default model as its file holds it; the tests' generated Qwen3-MoE
-checkpoint), every cache type runs the same ids: a prompt of about 700 tokens (a chat
+Per model (the default model as its file holds it; a tests/golden checkpoint by name,
+such as the tiny Qwen3-MoE; any model file or folder by path, such as benchmarks/moe_gguf.py's
+Q4_K_M file), every cache type runs the same ids: a prompt of about 700 tokens (a chat
 turn holding a long text; shorter where the model's context is), then the float32 cache's own greedy continuation,
 teacher-forced. The prompt is prefilled in chunks of 256 (each chunk reads the cache the
 chunks before it wrote), each continuation token is one decode step, and each step's
@@ -48,7 +49,12 @@ def models(names: list[str]):
 
     golden = Path(__file__).resolve().parent.parent / "tests" / "golden"
     for name in names:
-        yield name, load_model(default_model_path() if name == "default" else golden / name)
+        if name == "default":
+            path = default_model_path()
+        else:
+            path = golden / name if (golden / name).is_dir() else Path(name).expanduser()
+            name = path.name
+        yield name, load_model(path)
 
 
 def prompt_ids(model, room: int) -> list[int]:
@@ -143,7 +149,7 @@ def table(name: str, result: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="default,qwen3_moe",
-                        help="default (the embedded model) and names of tests/golden checkpoints")
+                        help="default (the embedded model), names of tests/golden checkpoints, paths")
     parser.add_argument("--tokens", type=int, default=48, help="greedy tokens generated per cache type")
     args = parser.parse_args(argv)
     results = {name: run_model(name, model, args.tokens) for name, model in models(args.models.split(","))}

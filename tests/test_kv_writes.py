@@ -1,6 +1,7 @@
 """The native KV write (kernels/kv_write.cc) stores a step's new rows exactly as XLA's
 write does (kv_writes._write_rows_xla, _write_chunk_xla): every byte of every layer's
-caches, for float32, half and bfloat16 caches, halves rounded with F16C and without."""
+caches, for float32, half and bfloat16 caches, halves rounded with F16C and without, and
+for 8-bit caches their values and scales."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from motet.model import kv_writes, native
+from motet.model import kv_quant, kv_writes, native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels were not built")
 
@@ -85,3 +86,46 @@ def test_a_write_of_the_wrong_shape_is_refused():
     with pytest.raises(Exception, match="do not fit"):
         kv_writes._write_native([jnp.asarray(a) for a in k], [jnp.asarray(a) for a in v], wrong, wrong,
                                 np.array([0], np.int32), np.array([0], np.int32), chunk=False)
+
+
+def scaled_caches(kind: str, seed: int):
+    """8-bit caches (kv_quant.py) of random values, as device arrays."""
+    k, v = caches(jnp.float32, seed)
+    return ([kv_quant.QuantizedCache(*kv_quant.quantize(jnp.asarray(a), kind, axis=2)) for a in k],
+            [kv_quant.QuantizedCache(*kv_quant.quantize(jnp.asarray(a), kind, axis=3)) for a in v])
+
+
+def ordinary(shape, seed: int) -> np.ndarray:
+    """Values of many magnitudes, and a zero vector (a zero scale)."""
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal(shape).astype(np.float32) * rng.choice([1e-7, 1e-3, 1.0, 1e3, 1e5], shape)
+    values.reshape(-1)[: shape[-1]] = 0.0
+    return values
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_an_8_bit_cache_is_written_as_xla_writes_it(kind, isa):
+    """Values and scales, byte for byte: a chunk (its padded tail dropped) and decode rows."""
+    tokens = 16
+    rows_at = np.array([0, 3, 1, 4], np.int32), np.array([0, CAPACITY - 1, 7, 12], np.int32)
+    cases = [(True, (HEADS, DIM, tokens), (HEADS, tokens, DIM), (jnp.int32(2), jnp.int32(offset)))
+             for offset in (0, CAPACITY - 6)] + [(False, (4, HEADS, DIM), (4, HEADS, DIM), rows_at)]
+    for seed, (chunk, k_shape, v_shape, where) in enumerate(cases):
+        new_k = [jnp.asarray(ordinary(k_shape, seed * 10 + i)) for i in range(LAYERS)]
+        new_v = [jnp.asarray(ordinary(v_shape, seed * 10 + 5 + i)) for i in range(LAYERS)]
+        xla = kv_writes._write_chunk_xla if chunk else kv_writes._write_rows_xla
+        outs = []
+        for write in (lambda k, v: kv_writes._write_scaled(k, v, new_k, new_v, *where, chunk=chunk),
+                      lambda k, v: xla(k, v, new_k, new_v, *where)):
+            k, v = write(*scaled_caches(kind, seed))
+            outs.append([np.asarray(leaf).view(np.uint8) for c in k + v for leaf in (c.values, c.scales)])
+        for i, (a, b) in enumerate(zip(*outs)):
+            np.testing.assert_array_equal(a, b, err_msg=f"case {seed}, array {i}")
+
+
+def test_the_public_writes_take_the_native_call_for_an_8_bit_cache():
+    k, v = scaled_caches("int8", 0)
+    rows = [jnp.ones((1, HEADS, DIM), jnp.float32)] * LAYERS
+    assert kv_writes._native(k, rows)
+    k, v = kv_writes.write_rows(k, v, rows, rows, np.array([2], np.int32), np.array([5], np.int32))
+    assert (np.asarray(k[0].values[2, :, :, 5]) == 127).all() and (np.asarray(k[0].scales[2, :, 5]) == 1 / 127).all()

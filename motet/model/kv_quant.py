@@ -69,7 +69,8 @@ def quantize(x: jax.Array, kind: str, axis: int) -> tuple[jax.Array, jax.Array]:
         values = jnp.clip(jnp.round(scaled), -top, top).astype(dtype)
     else:
         values = jax.lax.bitcast_convert_type(scaled.astype(jnp.float8_e4m3fn), dtype)
-    return values, jnp.squeeze(amax / top, axis)
+    # times the reciprocal, as XLA's simplifier turns a division by a constant
+    return values, jnp.squeeze(amax * np.float32(1 / top), axis)
 
 
 def dequantize(values: jax.Array, scales: jax.Array, axis: int) -> jax.Array:

@@ -4,8 +4,10 @@ The steps (forward.py) only read the caches and return the new rows: reading and
 writing the same donated array in one step makes XLA copy the whole cache. On the CPU
 the writes are one native call for every layer (kernels/kv_write.cc), where XLA's form
 below was a few kernels a layer and cache, and its compiled writes (one a row count and
-a chunk size) held twice the memory (benchmarks/kv_writes.py). Caches spread over several
-devices (a mesh) take XLA's form, which its partitioner splits.
+a chunk size) held twice the memory (benchmarks/kv_writes.py). An 8-bit cache's write
+(kv_quant.py) quantizes the rows as it stores them, natively or in XLA, to the same
+bytes. Caches spread over several devices (a mesh) take XLA's form, which its
+partitioner splits.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ def write_chunk(k_cache, v_cache, new_k, new_v, slot, offset):
     `slot`. A padded chunk may reach past the cache's last position (the cache holds the
     context, not a chunk more): those rows are dropped. Returns the caches."""
     if _native(k_cache, new_k):
-        return _write_native(k_cache, v_cache, new_k, new_v, jnp.int32(slot), jnp.int32(offset), chunk=True)
+        write = _write_scaled if kv_quant.quantized(k_cache[0]) else _write_native
+        return write(k_cache, v_cache, new_k, new_v, jnp.int32(slot), jnp.int32(offset), chunk=True)
     return _write_chunk_xla(k_cache, v_cache, new_k, new_v, slot, offset)
 
 
@@ -33,17 +36,18 @@ def write_rows(k_cache, v_cache, new_k, new_v, slots, positions):
     """Store each decode row's K/V [b, k, d] (per layer) at (slots[b], positions[b]).
     Returns the caches."""
     if _native(k_cache, new_k):
-        return _write_native(k_cache, v_cache, new_k, new_v, slots, positions, chunk=False)
+        write = _write_scaled if kv_quant.quantized(k_cache[0]) else _write_native
+        return write(k_cache, v_cache, new_k, new_v, slots, positions, chunk=False)
     return _write_rows_xla(k_cache, v_cache, new_k, new_v, slots, positions)
 
 
 def _native(k_cache, new_k) -> bool:
     """Whether the native write takes these: caches on one CPU device, of a type it
-    stores, and float32 rows."""
+    stores (an 8-bit cache's values: kv_quant.py), and float32 rows."""
     first = k_cache[0]
-    if kv_quant.quantized(first):
-        return False
-    if not (native.available() and new_k[0].dtype == jnp.float32 and first.dtype in _CACHE_TYPES
+    first = first.values if kv_quant.quantized(first) else first
+    if not (native.available() and new_k[0].dtype == jnp.float32
+            and (first.dtype in _CACHE_TYPES or first.dtype in (jnp.int8, jnp.uint8))
             and isinstance(first, jax.Array) and len(first.sharding.device_set) == 1):
         return False
     # JAX's own annotation names its Device class through an alias mypy cannot follow
@@ -60,6 +64,21 @@ def _write_native(k_cache, v_cache, new_k, new_v, slots, positions, *, chunk: bo
     out = call(jnp.asarray(slots, jnp.int32).reshape(-1), jnp.asarray(positions, jnp.int32).reshape(-1), *caches,
                *new_k, *new_v, layers=layers, chunk=int(chunk))
     return list(out[:layers]), list(out[layers:])
+
+
+@partial(jax.jit, donate_argnums=(0, 1), static_argnames=("chunk",))
+def _write_scaled(k_cache, v_cache, new_k, new_v, slots, positions, *, chunk: bool):
+    """_write_native for 8-bit caches: values and scales, every layer, in one call."""
+    layers = len(k_cache)
+    caches = [c.values for c in k_cache] + [c.values for c in v_cache]
+    caches += [c.scales for c in k_cache] + [c.scales for c in v_cache]
+    call = jax.ffi.ffi_call(native.KV_WRITE_SCALED, [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches],
+                            input_output_aliases={2 + i: i for i in range(4 * layers)})
+    out = call(jnp.asarray(slots, jnp.int32).reshape(-1), jnp.asarray(positions, jnp.int32).reshape(-1), *caches,
+               *new_k, *new_v, layers=layers, chunk=int(chunk), kind=int(k_cache[0].kind == "fp8"))
+    k = [kv_quant.QuantizedCache(out[i], out[2 * layers + i]) for i in range(layers)]
+    v = [kv_quant.QuantizedCache(out[layers + i], out[3 * layers + i]) for i in range(layers)]
+    return k, v
 
 
 @partial(jax.jit, donate_argnums=(0, 1))

@@ -26,6 +26,7 @@ MOE_EXPERTS = "motet_moe_experts"  # a MoE layer's routed experts, quantized
 RMS_NORM = "motet_rms_norm"  # a root-mean-square norm, after a residual add or alone
 QKV_HEADS = "motet_qkv_heads"  # a QKV projection as heads: split, q and k normed, turned
 KV_WRITE = "motet_kv_write"  # a step's new K and V rows into every layer's cache, in place
+KV_WRITE_SCALED = "motet_kv_write_scaled"  # the same into 8-bit caches (kv_quant.py), quantized
 LIBRARY = "_qmatmul"
 
 
@@ -61,6 +62,7 @@ def _library() -> ctypes.CDLL | None:
     jax.ffi.register_ffi_target(RMS_NORM, jax.ffi.pycapsule(lib.MotetRmsNorm), platform="cpu")
     jax.ffi.register_ffi_target(QKV_HEADS, jax.ffi.pycapsule(lib.MotetQkvHeads), platform="cpu")
     jax.ffi.register_ffi_target(KV_WRITE, jax.ffi.pycapsule(lib.MotetKvWrite), platform="cpu")
+    jax.ffi.register_ffi_target(KV_WRITE_SCALED, jax.ffi.pycapsule(lib.MotetKvWriteScaled), platform="cpu")
     return lib
 
 

@@ -13,6 +13,7 @@
 // capacity, head_dim], all of one element type: float32, IEEE half or bfloat16, the new
 // float32 values rounded to the nearest (ties to even) as XLA's conversion rounds them.
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -200,7 +201,148 @@ ffi::Error KvWrite(ffi::ThreadPool threads, ffi::Buffer<ffi::S32> slots, ffi::Bu
   return ffi::Error::Success();
 }
 
+// ---- 8-bit caches (kv_quant.py) ----------------------------------------------------------
+// Each new K or V vector (one position of one KV head) becomes head_dim bytes and a
+// float32 scale, its largest magnitude over the type's largest value: the arithmetic of
+// kv_quant.quantize, so both writes store the same bytes.
+
+enum ScaledKind : int64_t { INT8 = 0, FP8 = 1 };
+
+// float32 to fp8 e4m3, rounded to the nearest (ties to even); |f| is at most 448.
+uint8_t float_to_e4m3(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint8_t sign = static_cast<uint8_t>((x >> 24) & 0x80);
+  const uint32_t magnitude = x & 0x7fffffff;
+  if (magnitude > 0x7f800000) return sign | 0x7f;  // NaN
+  if (magnitude < 0x3c800000)  // under e4m3's smallest normal, 2^-6: units of 2^-9 (8 of them is that normal)
+    return sign | static_cast<uint8_t>(std::nearbyint(std::fabs(f) * 512.f));
+  const uint32_t rounded = magnitude + 0x7ffff + ((magnitude >> 20) & 1);  // keep 3 mantissa bits
+  const uint32_t bits = (rounded >> 20) - (120u << 3);  // the exponent rebiased 127 → 7
+  return sign | static_cast<uint8_t>(bits < 0x7e ? bits : 0x7e);
+}
+
+// n floats `from_stride` apart into n bytes `to_stride` apart, and their scale.
+void quantize_vector(const float* from, int64_t from_stride, int64_t n, ScaledKind kind, uint8_t* to,
+                     int64_t to_stride, float* scale) {
+  const float top = kind == INT8 ? 127.f : 448.f;
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(from[i * from_stride]));
+  const float inverse = amax > 0.f ? top / amax : 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = from[i * from_stride] * inverse;
+    const float step = std::fmin(std::fmax(std::nearbyint(x), -top), top);
+    to[i * to_stride] = kind == INT8 ? static_cast<uint8_t>(static_cast<int8_t>(step)) : float_to_e4m3(x);
+  }
+  *scale = amax * (1.f / top);  // as XLA computes amax / top: times the constant's reciprocal
+}
+
+struct ScaledLayer {
+  uint8_t* k_values;  // [slots, heads, dim, capacity]
+  uint8_t* v_values;  // [slots, heads, capacity, dim]
+  float* k_scales;    // [slots, heads, capacity]
+  float* v_scales;
+  const float* k_new;
+  const float* v_new;
+};
+
+struct ScaledWrite {
+  std::vector<ScaledLayer> layers;
+  ScaledKind kind;
+  int64_t n_slots, heads, dim, capacity, count;
+  bool chunk;
+  const int32_t* slots;
+  const int32_t* positions;
+};
+
+void write_scaled_layer(void* arg, int64_t layer) {
+  const ScaledWrite& w = *static_cast<const ScaledWrite*>(arg);
+  const ScaledLayer& l = w.layers[layer];
+  const int64_t heads = w.heads, dim = w.dim, capacity = w.capacity, count = w.count;
+  // one position j of head h of a slot: its K column, its V row and its scales
+  auto store = [&](int64_t slot, int64_t h, int64_t position, const float* k, int64_t k_stride, const float* v) {
+    const int64_t at = (slot * heads + h) * capacity + position;
+    quantize_vector(k, k_stride, dim, w.kind, l.k_values + (slot * heads + h) * dim * capacity + position, capacity,
+                    l.k_scales + at);
+    quantize_vector(v, 1, dim, w.kind, l.v_values + at * dim, 1, l.v_scales + at);
+  };
+  if (w.chunk) {  // K [h, d, t], V [h, t, d]
+    const int64_t slot = w.slots[0], offset = w.positions[0];
+    const int64_t valid = offset < 0 ? 0 : (capacity - offset < count ? capacity - offset : count);
+    if (slot < 0 || slot >= w.n_slots || valid <= 0) return;
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t j = 0; j < valid; ++j)
+        store(slot, h, offset + j, l.k_new + h * dim * count + j, count, l.v_new + (h * count + j) * dim);
+    return;
+  }
+  for (int64_t r = 0; r < count; ++r) {  // K and V [r, h, d]
+    const int64_t slot = w.slots[r], position = w.positions[r];
+    if (slot < 0 || slot >= w.n_slots || position < 0 || position >= capacity) continue;
+    for (int64_t h = 0; h < heads; ++h)
+      store(slot, h, position, l.k_new + (r * heads + h) * dim, 1, l.v_new + (r * heads + h) * dim);
+  }
+}
+
+// Arguments: slots, positions, then per layer K values, V values, K scales, V scales
+// (each group `layers` long, aliased to the results in that order), new K, new V.
+ffi::Error KvWriteScaled(ffi::ThreadPool threads, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> positions,
+                         ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t layers, int64_t chunk,
+                         int64_t kind) {
+  if (layers < 1 || static_cast<int64_t>(args.size()) != 6 * layers ||
+      static_cast<int64_t>(rets.size()) != 4 * layers || (kind != INT8 && kind != FP8))
+    return ffi::Error::InvalidArgument("kv_write_scaled: expected values, scales and new rows for every layer");
+  ScaledWrite w{};
+  w.kind = static_cast<ScaledKind>(kind);
+  w.chunk = chunk != 0;
+  w.slots = slots.typed_data();
+  w.positions = positions.typed_data();
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    auto k = rets.get<ffi::AnyBuffer>(layer), v = rets.get<ffi::AnyBuffer>(layers + layer);
+    auto ks = rets.get<ffi::Buffer<ffi::F32>>(2 * layers + layer), vs = rets.get<ffi::Buffer<ffi::F32>>(3 * layers + layer);
+    auto k_new = args.get<ffi::Buffer<ffi::F32>>(4 * layers + layer);
+    auto v_new = args.get<ffi::Buffer<ffi::F32>>(5 * layers + layer);
+    if (k.has_error() || v.has_error() || ks.has_error() || vs.has_error() || k_new.has_error() || v_new.has_error())
+      return ffi::Error::InvalidArgument("kv_write_scaled: the scales and the new rows must be float32");
+    const auto kd = (*k)->dimensions(), vd = (*v)->dimensions(), nd = k_new->dimensions();
+    const auto byte = kind == INT8 ? ffi::DataType::S8 : ffi::DataType::U8;
+    if (kd.size() != 4 || vd.size() != 4 || nd.size() != 3 || (*k)->element_type() != byte ||
+        (*v)->element_type() != byte)
+      return ffi::Error::InvalidArgument("kv_write_scaled: bad cache ranks or element types");
+    if (layer == 0) {
+      w.n_slots = kd[0], w.heads = kd[1], w.dim = kd[2], w.capacity = kd[3];
+      w.count = chunk ? nd[2] : nd[0];
+    }
+    const int64_t positions_held = w.n_slots * w.heads * w.capacity;
+    const bool same = kd[0] == w.n_slots && kd[1] == w.heads && kd[2] == w.dim && kd[3] == w.capacity &&
+                      vd[0] == w.n_slots && vd[1] == w.heads && vd[2] == w.capacity && vd[3] == w.dim &&
+                      static_cast<int64_t>((*ks)->element_count()) == positions_held &&
+                      static_cast<int64_t>((*vs)->element_count()) == positions_held;
+    const bool rows_fit = chunk ? (nd[0] == w.heads && nd[1] == w.dim && nd[2] == w.count &&
+                                   slots.element_count() == 1 && positions.element_count() == 1)
+                                : (nd[0] == w.count && nd[1] == w.heads && nd[2] == w.dim &&
+                                   static_cast<int64_t>(slots.element_count()) == w.count &&
+                                   static_cast<int64_t>(positions.element_count()) == w.count);
+    if (!same || !rows_fit || v_new->element_count() != k_new->element_count())
+      return ffi::Error::InvalidArgument("kv_write_scaled: the new rows do not fit the caches");
+    w.layers.push_back(ScaledLayer{static_cast<uint8_t*>((*k)->untyped_data()), static_cast<uint8_t*>((*v)->untyped_data()),
+                                   (*ks)->typed_data(), (*vs)->typed_data(), k_new->typed_data(), v_new->typed_data()});
+  }
+  motet_qmatmul::for_each_on_pool(&threads, layers, write_scaled_layer, &w);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetKvWriteScaled, KvWriteScaled,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("layers")
+                                  .Attr<int64_t>("chunk")
+                                  .Attr<int64_t>("kind"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetKvWrite, KvWrite,
                               ffi::Ffi::Bind()
