@@ -6,8 +6,9 @@ imported, and the rest of the suite runs on one device).
     python tests/mesh_check.py engine   # the full Engine on a mesh vs on one device
     python tests/mesh_check.py tiered   # tiered experts, a pool per ep device, vs resident
 
-Layouts the tiny golden checkpoints cannot split (tp=4: they have 2 KV heads) run on the
-same architecture with 8 heads / 4 KV heads and seeded random weights.
+The tiny golden checkpoints have 4 query heads over 2 KV heads, so at tp=4 each KV head
+is repeated on two devices; one more case splits 4 KV heads over tp=4 (the same
+architecture with 8 heads / 4 KV heads and seeded random weights).
 """
 
 from __future__ import annotations
@@ -123,21 +124,23 @@ def ragged_prefill_error(model: Model, arch: str) -> float:
     return float(np.abs(np.asarray(logits[:n]) - golden["logits"]).max())
 
 
+RANDOM = "random 8 heads / 4 KV heads"
+
+
 def check_models() -> list[dict]:
-    cases = [(arch, layout) for arch in MOE_ARCHS for layout in MOE_LAYOUTS]
-    cases += [("llama", layout) for layout in DENSE_LAYOUTS]
+    cases = [(arch, layout, "golden") for arch in MOE_ARCHS for layout in MOE_LAYOUTS]
+    cases += [("llama", layout, "golden") for layout in DENSE_LAYOUTS] + [("qwen3_moe", "tp=4", RANDOM)]
     results, references = [], {}
-    for arch, layout in cases:
+    for arch, layout, weights in cases:
         prompt = np.load(GOLDEN / arch / "golden.npz")["prompt_ids"].tolist()
-        tiny = load_model(GOLDEN / arch).config
-        try:
-            model_mesh(layout, tiny)
-            weights, make = "golden", (lambda mesh, arch=arch: load_model(GOLDEN / arch, mesh=mesh))
-        except ValueError:  # the tiny checkpoint does not split this way
-            weights, make = "random 8 heads / 4 KV heads", (lambda mesh, arch=arch: random_model(arch, mesh))
+        if weights == "golden":
+            make = lambda mesh, arch=arch: load_model(GOLDEN / arch, mesh=mesh)  # noqa: E731
+        else:
+            make = lambda mesh, arch=arch: random_model(arch, mesh)  # noqa: E731
         if (arch, weights) not in references:
-            references[arch, weights] = greedy(make(None), prompt)
-        ref_tokens, ref_logits, _ = references[arch, weights]
+            one = make(None)
+            references[arch, weights] = (*greedy(one, prompt), one.config.n_kv_heads)
+        ref_tokens, ref_logits, _, _ = references[arch, weights]
         model = make(layout)
         tokens, logits, kv_heads = greedy(model, prompt)
         ragged = None
@@ -148,6 +151,7 @@ def check_models() -> list[dict]:
             "ragged_prefill_vs_golden": ragged,
             "max_abs_logit_diff": float(np.abs(logits - ref_logits).max()),
             "logit_scale": float(np.abs(ref_logits).max()), "kv_heads": model.config.n_kv_heads,
+            "file_kv_heads": references[arch, weights][3],
             "kv_heads_per_device": kv_heads,
         })
     return results

@@ -48,6 +48,10 @@ def test_every_layout_matches_one_device():
         assert r["max_abs_logit_diff"] < ATOL, case
         tp = MeshSpec.parse(r["layout"]).tp
         assert r["kv_heads_per_device"] == [r["kv_heads"] // tp], case  # KV split with its heads
+        # tp past the file's KV heads: each repeated on tp / kv_heads devices, one a device
+        assert r["kv_heads"] == max(r["file_kv_heads"], tp), case
+    assert {(r["layout"], r["file_kv_heads"], r["kv_heads"]) for r in results if r["arch"] == "qwen3_moe"} >= {
+        ("tp=4", 2, 4), ("tp=4", 4, 4)}  # repeated, and split
     ragged = [r["ragged_prefill_vs_golden"] for r in results if r["ragged_prefill_vs_golden"] is not None]
     assert len(ragged) == 3 and max(ragged) < ATOL  # the GPU expert path, against transformers
 
@@ -113,8 +117,12 @@ def test_layouts_must_divide_the_model(tiny_model):
     MeshSpec(ep=8).check(qwen)
     with pytest.raises(ValueError, match="8 experts do not divide into ep=3"):
         MeshSpec(ep=3).check(qwen)
-    with pytest.raises(ValueError, match="2 KV heads do not divide into tp=4"):
-        MeshSpec(tp=4).check(qwen)
+    MeshSpec(tp=4).check(qwen)  # each of its 2 KV heads on two devices
+    with pytest.raises(ValueError, match=r"4 attention heads over 2 KV heads do not split into tp=3 .*; "
+                                         r"tp=2 or tp=4 would"):
+        MeshSpec(tp=3).check(qwen)
+    with pytest.raises(ValueError, match="tp=8 .*; tp=2 or tp=4 would"):
+        MeshSpec(tp=8).check(qwen)
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
         MeshSpec(ep=2).check(llama)
 

@@ -12,7 +12,10 @@ collective is explicit; per layer:
               the others skipped → psum over (ep, tp) of [t, d]
 
 Routers, norms, the embedding and the LM head are replicated. The KV cache is
-[slots, kv_heads, ...] split along kv_heads by tp (replicated along ep). Weights go
+[slots, kv_heads, ...] split along kv_heads by tp (replicated along ep). Where tp is a
+multiple of the KV heads (Qwen3-MoE's 4 at tp=8), each KV head is repeated on
+tp / kv_heads devices, as vLLM does: the model is loaded as one with tp KV heads
+(KVHeadsRepeated), so each device holds one, and the KV cache that many times over. Weights go
 from host arrays straight into their shards (`jax.device_put` with a NamedSharding,
 leaf by leaf): no device ever holds a full copy of a sharded leaf.
 
@@ -102,9 +105,12 @@ class MeshSpec:
             problems.append(f"ep={self.ep} needs a mixture-of-experts model ({cfg.arch} is dense)")
         elif cfg.is_moe and cfg.n_experts % self.ep:
             problems.append(f"{cfg.n_experts} experts do not divide into ep={self.ep} equal shares")
-        for what, n in (("attention heads", cfg.n_heads), ("KV heads", cfg.n_kv_heads)):
-            if n % self.tp:
-                problems.append(f"{n} {what} do not divide into tp={self.tp} equal shares")
+        if cfg.n_heads % self.tp or (cfg.n_kv_heads % self.tp and self.tp % cfg.n_kv_heads):
+            fits = [tp for tp in range(1, 2 * max(self.tp, cfg.n_heads) + 1) if head_split_fits(cfg, tp)]
+            near = sorted(fits, key=lambda tp: (abs(tp - self.tp), tp))[:2]
+            problems.append(f"{cfg.n_heads} attention heads over {cfg.n_kv_heads} KV heads do not split into "
+                            f"tp={self.tp} (the query heads must divide by tp, and tp and the KV heads one by "
+                            f"the other); tp={' or tp='.join(map(str, sorted(near)))} would")
         if cfg.is_moe and cfg.moe_intermediate_size % self.tp:
             problems.append(f"expert width {cfg.moe_intermediate_size} does not divide by tp={self.tp}")
         if not all(cfg.moe_layers) and cfg.intermediate_size % self.tp:
@@ -121,6 +127,50 @@ class MeshSpec:
                 f"{'is' if len(devices) == 1 else 'are'} visible to JAX"
             )
         return Mesh(np.array(devices[: self.size]).reshape(self.ep, self.tp), AXES)
+
+
+def head_split_fits(cfg: ModelConfig, tp: int) -> bool:
+    """Whether tp devices split the attention: the query heads evenly, and the KV heads
+    evenly or each repeated on tp / kv_heads of them."""
+    return cfg.n_heads % tp == 0 and (cfg.n_kv_heads % tp == 0 or tp % cfg.n_kv_heads == 0)
+
+
+def kv_repeats(cfg: ModelConfig, tp: int) -> int:
+    """How many devices hold each KV head (1: the heads are split, not repeated)."""
+    return tp // cfg.n_kv_heads if tp > cfg.n_kv_heads else 1
+
+
+class KVHeadsRepeated:
+    """A TensorSource (weights.py) whose K and V projections (and a per-channel K norm)
+    have each KV head repeated `times` times in a row, for a model config with that many
+    times the KV heads: head h becomes heads h·times … h·times + times - 1, so query head i
+    still reads its own KV head (i // group)."""
+
+    def __init__(self, source, cfg: ModelConfig, times: int):
+        self.source, self.times, self.head_dim = source, times, cfg.head_dim
+        self.repeated = (".k", ".v") + ((".k_norm",) if cfg.qk_norm == "full" else ())
+
+    def has(self, name: str) -> bool:
+        return self.source.has(name)
+
+    def describe(self, name: str) -> str:
+        return self.source.describe(name)
+
+    def get(self, name: str) -> np.ndarray:
+        tensor = np.asarray(self.source.get(name))
+        if not name.endswith(self.repeated):
+            return tensor
+        heads = tensor.reshape(-1, self.head_dim, *tensor.shape[1:])
+        return np.repeat(heads, self.times, axis=0).reshape(-1, *tensor.shape[1:])
+
+    def get_packed(self, name: str):
+        return None if name.endswith(self.repeated) else self.source.get_packed(name)
+
+    def get_packed_expert(self, name: str, e: int):
+        return self.source.get_packed_expert(name, e)
+
+    def release_pages(self) -> None:
+        self.source.release_pages()
 
 
 def model_mesh(mesh: MeshSpec | str | Mesh, cfg: ModelConfig) -> Mesh:
