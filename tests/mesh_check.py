@@ -38,7 +38,7 @@ from motet.model import load_model  # noqa: E402
 from motet.model.generate import decode_step, model_kv_sharding, prefill_slot  # noqa: E402
 from motet.model.kv import KVGeometry, init_kv  # noqa: E402
 from motet.model.model import Model  # noqa: E402
-from motet.model.sharding import model_mesh  # noqa: E402
+from motet.model.sharding import gate_up_layout, model_mesh  # noqa: E402
 from motet.model.weights import pack_weights  # noqa: E402
 
 MOE_ARCHS = ("qwen3_moe", "olmoe", "mixtral")
@@ -217,7 +217,8 @@ def _tiered_greedy(prefill, decode, prompt: list[int]) -> list[int]:
 def _pool_owners(pool) -> dict:
     """Whether every expert sits in its owner's slot range, and whether each device's
     shard of every pool array holds exactly the experts of its own range (compared with
-    the model file's copy)."""
+    the model file's copy: with tp, its own columns of the tp-ordered gate/up)."""
+    tp = pool.mesh.shape["tp"] if pool.mesh is not None else 1
     in_range, shards_ok, shard_slots = True, True, set()
     for r in range(pool.R):
         for g in range(pool.groups):
@@ -229,7 +230,7 @@ def _pool_owners(pool) -> dict:
             for s in rows:
                 e = int(pool.occupant[r, s])
                 if e >= 0:
-                    want = pool.reader.read(r, e)[0]
+                    want = gate_up_layout(np.asarray(pool.reader.read(r, e)[0]), tp)[shard.index[1:]]
                     shards_ok &= bool(np.allclose(np.asarray(shard.data)[s - rows.start], want))
     return {"in_owner_range": in_range, "shards_hold_own": shards_ok, "slots_per_device": sorted(shard_slots)}
 
@@ -250,8 +251,8 @@ def _count_fused(tiered) -> dict:
 
 
 def check_tiered(arch: str = "qwen3_moe") -> list[dict]:
-    """Tiered experts at a pool of half the experts on ep=2 and ep=4 (each device's share
-    of the pool for its own experts) against resident experts on one device: the
+    """Tiered experts at a pool of half the experts on ep=2, ep=4 and ep=2,tp=2 (each
+    device's share of the pool for its own experts) against resident experts on one device: the
     TieredModel both ways (one-jit steps with prefetch, layer by layer without), and the
     ModelRunner built with a tiered plan on the mesh."""
     import trio
@@ -285,7 +286,7 @@ def check_tiered(arch: str = "qwen3_moe") -> list[dict]:
     except ValueError as exc:
         uneven = str(exc)
     slots, results = cfg.n_experts // 2, []
-    for layout in ("ep=2", "ep=4"):
+    for layout in ("ep=2", "ep=4", "ep=2,tp=2"):
         lazy = load_model(GOLDEN / arch, lazy_experts=True, mesh=layout)
         for prefetch, optimistic in ((True, True), (False, False)):
             pool = ExpertPool(lazy.expert_reader, sum(cfg.moe_layers), cfg.n_experts, slots, None, mesh=model_mesh(layout, cfg))
@@ -320,12 +321,14 @@ def check_tiered(arch: str = "qwen3_moe") -> list[dict]:
                         "slots": slots, "misses": int(runner.totals[0] - runner.totals[1]), "moves": None,
                         "one_jit_steps": None, "thrown_away": None,
                         "counts": True, **_pool_owners(runner.pool)})
-    # the full Engine with a budget of half the experts per layer, on ep=2
-    one, engine = trio.run(_tiered_engine, None), trio.run(_tiered_engine, "ep=2")
-    results.append({"arch": arch, "layout": "ep=2", "how": "engine", "tokens": engine["tokens"],
-                    "one_device": one["tokens"], "slots": engine["pool_slots"], "misses": engine["misses"],
-                    "moves": None, "one_jit_steps": None, "thrown_away": None, "counts": engine["counts"],
-                    "mode": engine["mode"], "compiles_after_ready": engine["compiles_after_ready"]})
+    # the full Engine with a budget of half the experts per layer, on ep=2 and ep=2,tp=2
+    one = trio.run(_tiered_engine, None)
+    for layout in ("ep=2", "ep=2,tp=2"):
+        engine = trio.run(_tiered_engine, layout)
+        results.append({"arch": arch, "layout": layout, "how": "engine", "tokens": engine["tokens"],
+                        "one_device": one["tokens"], "slots": engine["pool_slots"], "misses": engine["misses"],
+                        "moves": None, "one_jit_steps": None, "thrown_away": None, "counts": engine["counts"],
+                        "mode": engine["mode"], "compiles_after_ready": engine["compiles_after_ready"]})
     return [{**r, "uneven_pool": uneven} for r in results]
 
 

@@ -13,11 +13,8 @@ import sys
 from functools import cache
 
 import pytest
-from conftest import GOLDEN, REPO, TINY_GEO
+from conftest import REPO
 
-from motet.actors.expert_policy import ExpertPlan
-from motet.actors.runner import ModelRunner
-from motet.model import load_model
 from motet.model.sharding import MeshSpec, step_traffic
 
 # Sharded logits vs one device, max |difference| over every logit of 4 greedy steps:
@@ -68,14 +65,15 @@ def test_engine_on_a_mesh_matches_one_device():
     assert all(len(tokens) == 5 for tokens in mesh["first"])
 
 
-def test_tiered_experts_on_ep_meshes_match_resident_on_one_device():
-    """A pool of half the experts split over ep=2 and ep=4 (each device's share for its
-    own experts): the same greedy tokens as resident experts on one device, by one-jit
-    steps, layer by layer, through the runner and the Engine; every expert in its owner's
-    slots and each device's pool shard holding just those."""
+def test_tiered_experts_on_meshes_match_resident_on_one_device():
+    """A pool of half the experts split over ep=2, ep=4 and ep=2×tp=2 (each device's
+    share for its own experts, with tp its share of each one's width): the same greedy
+    tokens as resident experts on one device, by one-jit steps, layer by layer (with tp,
+    each layer's attention per shard of its heads), through the runner and the Engine;
+    every expert in its owner's slots and each device's pool shard holding just those."""
     results = mesh_check("tiered")
-    assert {(r["layout"], r["how"]) for r in results} == {("ep=2", "engine")} | {
-        (lay, how) for lay in ("ep=2", "ep=4") for how in ("one-jit", "layers", "runner")}
+    assert {(r["layout"], r["how"]) for r in results} == {("ep=2", "engine"), ("ep=2,tp=2", "engine")} | {
+        (lay, how) for lay in ("ep=2", "ep=4", "ep=2,tp=2") for how in ("one-jit", "layers", "runner")}
     for r in results:
         case = f"{r['arch']} {r['layout']} {r['how']}"
         assert r["tokens"] == r["one_device"], case
@@ -85,7 +83,7 @@ def test_tiered_experts_on_ep_meshes_match_resident_on_one_device():
             assert r["compiles_after_ready"] == 0, case  # tiered on the mesh: warm at start too
             continue
         assert r["in_owner_range"] and r["shards_hold_own"], case
-        assert r["slots_per_device"] == [r["slots"] // int(r["layout"][3:])], case
+        assert r["slots_per_device"] == [r["slots"] // MeshSpec.parse(r["layout"]).ep], case
     assert sum(r["one_jit_steps"] for r in results if r["how"] == "one-jit") > 0  # the shard_map step ran
     assert all(r["one_jit_steps"] == r["thrown_away"] == 0 for r in results if r["how"] == "layers")
     assert all("must both divide by 2" in r["uneven_pool"] for r in results)  # 3 slots on ep=2: refused
@@ -130,15 +128,6 @@ def test_layouts_must_divide_the_model(tiny_model):
 def test_too_few_devices():
     with pytest.raises(ValueError, match="needs 4 devices, but only 1 is visible"):
         MeshSpec(ep=2, tp=2).build()
-
-
-def test_tiered_experts_refuse_tp(tiny_model):
-    with pytest.raises(ValueError, match="tiered .* experts run on an ep mesh, not yet with tp > 1"):
-        load_model(GOLDEN / "olmoe", lazy_experts=True, mesh="tp=2")
-    model = tiny_model("olmoe")
-    plan = ExpertPlan("tiered", 2, 8, 4, None, 1)
-    with pytest.raises(ValueError, match="tiered experts run on an ep mesh, not yet with tp > 1"):
-        ModelRunner(model, TINY_GEO, plan, mesh="tp=2")
 
 
 def test_step_traffic(tiny_model):

@@ -20,7 +20,7 @@ from ..model.kv import MIN_BUCKET, KVGeometry, batch_bucket, copy_slot, init_kv,
 from ..model.logit_history import begin, empty_history, resample, sample_with_history, start_rows
 from ..model.model import Model
 from ..model.sampling import open_mask, request_key, sample
-from ..model.sharding import TP, MeshSpec, mesh_axis, mesh_of, model_mesh, place_weights
+from ..model.sharding import TP, MeshSpec, canonical_gate_up, mesh_of, model_mesh, place_weights
 from ..model.tiered import EXPERT_KEYS, shared_weight_bytes, shared_weights
 from ..model.tiered_model import TieredModel
 from ..protocol.mirror import Op, encode
@@ -67,14 +67,10 @@ class ModelRunner:
             # the pool's moves are computations on the mesh the other processes do not repeat
             raise ValueError("tiered experts do not run in a group of processes yet: keep the experts "
                              "resident (a budget that fits them all)")
-        if tiered and mesh is not None and mesh_axis(mesh, TP) > 1:
-            raise ValueError(f"tiered experts run on an ep mesh, not yet with tp > 1 (mesh {mesh}): "
-                             "use ep alone or keep the experts resident")
         if tiered:
             experts = model.weights
-            if mesh_of(experts) is not None:  # loaded resident onto a mesh: host copies for the pool
-                experts = {"layers": [{k: np.asarray(v) for k, v in layer.items() if k in EXPERT_KEYS}
-                                      for layer in experts["layers"]]}
+            if (placed_on := mesh_of(experts)) is not None:  # loaded resident onto a mesh: host copies
+                experts = _host_experts(experts, placed_on.shape[TP])
             reader = model.expert_reader or ArrayExpertReader.from_weights(cfg, experts)
         if mesh is not None:
             device_mesh = model_mesh(mesh, cfg)
@@ -363,3 +359,12 @@ def _gpus(experts: int) -> tuple[tuple[float, float, int], ...]:
         out.append((stats.get("bytes_in_use", 0) / 1e9, stats.get("bytes_limit", 0) / 1e9,
                     experts if i == 0 else 0))
     return tuple(out)
+
+
+def _host_experts(weights: dict, tp: int) -> dict:
+    """The experts of weights placed on a mesh, as host arrays in the file's layout (the
+    pool puts each one in its mesh's layout as it reads it)."""
+    def host(key, leaf):
+        return canonical_gate_up(np.asarray(leaf), tp) if key == "experts_gate_up" else np.asarray(leaf)
+
+    return {"layers": [{k: host(k, v) for k, v in layer.items() if k in EXPERT_KEYS} for layer in weights["layers"]]}

@@ -15,7 +15,6 @@ shard_map over it: the layer code below sees this device's heads, experts and wi
 
 from __future__ import annotations
 
-from dataclasses import replace
 from functools import partial
 
 import jax
@@ -31,7 +30,7 @@ from .moe import dense_ffn, moe_ffn
 from .norm import add_rms_norm, rms_norm
 from .quant import QTensor, matmul, take_rows
 from .sampling import CARRY_WIDTH, pack_sampled, sample
-from .sharding import KV_SPEC, TP, axis_size, mesh_of, weight_specs
+from .sharding import KV_SPEC, TP, axis_size, local_config, mesh_of, weight_specs
 
 F32 = jnp.float32
 
@@ -113,12 +112,6 @@ def _layers(weights, x, run_layer):
     return x, new_k, new_v, routing
 
 
-def _local(cfg: ModelConfig, mesh: Mesh) -> ModelConfig:
-    """The config as one shard sees it: its own attention and KV heads."""
-    tp = mesh.shape[TP]
-    return replace(cfg, n_heads=cfg.n_heads // tp, n_kv_heads=cfg.n_kv_heads // tp)
-
-
 def _on_mesh(body, mesh, cfg, weights, caches, args, out_kv: tuple[P, P], n_moe: int):
     """body(weights, *caches, *args) as a shard_map over the mesh: weights split as
     sharding.py says, caches along their KV heads, args replicated; logits and routing
@@ -154,7 +147,7 @@ def _prefill(weights, k_cache, v_cache, tokens, slot, offset, n_valid, *, cfg, w
     if mesh is None:
         return body(weights, k_cache, v_cache, tokens, slot, offset, n_valid, cfg=cfg)
     split = P(TP, None, None)  # new K [k, d, t], V [k, t, d]
-    return _on_mesh(partial(body, cfg=_local(cfg, mesh), mesh=mesh), mesh, cfg, weights,
+    return _on_mesh(partial(body, cfg=local_config(cfg, mesh), mesh=mesh), mesh, cfg, weights,
                     (k_cache, v_cache), (tokens, slot, offset, n_valid), (split, split), sum(cfg.moe_layers))
 
 
@@ -201,7 +194,7 @@ def _decode(weights, k_cache, v_cache, tokens, slots, positions, *, cfg, moe_imp
     if mesh is None:
         return body(weights, k_cache, v_cache, tokens, slots, positions, cfg=cfg)
     split = P(None, TP, None)  # new K and V rows [b, k, d]
-    return _on_mesh(partial(body, cfg=_local(cfg, mesh), mesh=mesh), mesh, cfg, weights,
+    return _on_mesh(partial(body, cfg=local_config(cfg, mesh), mesh=mesh), mesh, cfg, weights,
                     (k_cache, v_cache), (tokens, slots, positions), (split, split), sum(cfg.moe_layers))
 
 

@@ -26,7 +26,7 @@ from .kv import pick_kv_dtype
 from .model import Model
 from .requantize import QUANTIZE_CHOICES, QuantizingSource
 from .safetensors_dir import SafetensorsSource
-from .sharding import TP, KVHeadsRepeated, MeshSpec, kv_repeats, mesh_axis, model_mesh
+from .sharding import TP, KVHeadsRepeated, MeshSpec, kv_repeats, model_mesh
 from .tokenizer import Tokenizer
 from .weights import is_quantized, pack_weights
 
@@ -86,9 +86,6 @@ def load_model(path: str | Path | None = None, dtype: str = AUTO, max_context: i
         cfg = replace(cfg, max_context=max_context)
     lazy = lazy_experts and cfg.is_moe
     if mesh is not None:
-        if lazy and mesh_axis(mesh, TP) > 1:
-            raise ValueError(f"tiered (lazily loaded) experts run on an ep mesh, not yet with tp > 1 "
-                             f"(mesh {mesh}): load the experts resident or use ep alone")
         mesh = model_mesh(mesh, cfg)
         if (repeats := kv_repeats(cfg, mesh.shape[TP])) > 1:
             log.info("tp=%d over %d KV heads: each KV head is held by %d devices, and so is its KV cache",

@@ -25,7 +25,7 @@ tp the inner (fastest-varying) axis, so a tp group is neighbouring devices.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import numpy as np
@@ -127,6 +127,12 @@ class MeshSpec:
                 f"{'is' if len(devices) == 1 else 'are'} visible to JAX"
             )
         return Mesh(np.array(devices[: self.size]).reshape(self.ep, self.tp), AXES)
+
+
+def local_config(cfg: ModelConfig, mesh: Mesh) -> ModelConfig:
+    """The config as one shard sees it: its own attention and KV heads."""
+    tp = mesh.shape[TP]
+    return replace(cfg, n_heads=cfg.n_heads // tp, n_kv_heads=cfg.n_kv_heads // tp)
 
 
 def head_split_fits(cfg: ModelConfig, tp: int) -> bool:
@@ -237,6 +243,14 @@ def gate_up_layout(array: np.ndarray, tp: int) -> np.ndarray:
     """A fused gate/up leaf as host_layout gives it; it needs no config (the expert pool's)."""
     half = array.shape[-1] // 2
     return _by_shard(array, [half, half], tp) if tp > 1 else array
+
+
+def canonical_gate_up(array: np.ndarray, tp: int) -> np.ndarray:
+    """gate_up_layout undone: [gate | up] again from the columns of tp shards."""
+    if tp == 1:
+        return array
+    halves = [np.split(shard, 2, axis=-1) for shard in np.split(array, tp, axis=-1)]
+    return np.concatenate([gate for gate, _ in halves] + [up for _, up in halves], axis=-1)
 
 
 def leaf_spec(cfg: ModelConfig, name: str) -> P:

@@ -30,7 +30,7 @@ from .forward import embed, lm_head, qkv
 from .moe import dense_ffn, experts_grouped, experts_ragged, group_block, local_experts, route
 from .norm import add_rms_norm, rms_norm
 from .quant import matmul
-from .sharding import EP, LEAF_SPECS, TP
+from .sharding import EP, KV_SPEC, LEAF_SPECS, TP, leaf_spec, local_config
 
 EXPERT_KEYS = ("experts_gate_up", "experts_down")
 
@@ -56,34 +56,60 @@ def _guess(cfg, x, nxt):
     return jax.lax.top_k(jnp.dot(h.astype(jnp.float32), nxt["router"]), cfg.n_experts_per_tok)[1]
 
 
-def _after_attention(cfg, layer, x, out, nxt):
+def _after_attention(cfg, layer, x, out, nxt, mesh):
     """Residual add, then for a MoE layer its routing (and the guess for the next one),
-    for a dense layer its FFN."""
-    x, h = add_rms_norm(x, matmul(out, layer["wo"]), layer["ffn_norm"], cfg.rms_eps)
+    for a dense layer its FFN. mesh: inside shard_map with tp > 1 (out and wo hold this
+    shard's heads: partial sums)."""
+    out = matmul(out, layer["wo"])
+    x, h = add_rms_norm(x, jax.lax.psum(out, TP) if mesh is not None else out, layer["ffn_norm"], cfg.rms_eps)
     if "router" not in layer:
-        return x + dense_ffn(layer, h), None, None, None, None
+        return x + dense_ffn(layer, h, mesh), None, None, None, None
     w, ids = route(cfg, layer["router"], h)
     return x, h, w, ids, _guess(cfg, x, nxt)
 
 
-@partial(jax.jit, static_argnames=("cfg",))
-def layer_rows(cfg, layer, nxt, x, k_cache, v_cache, slots, positions):
+@partial(jax.jit, static_argnames=("cfg", "mesh"))
+def layer_rows(cfg, layer, nxt, x, k_cache, v_cache, slots, positions, mesh: Mesh | None = None):
     """One layer's attention (decode rows, as forward.decode) and its routing, or the
     whole layer when it is dense. Returns (x, h, weights, ids, guess, new K [b, k, d],
-    new V [b, k, d]); h, weights, ids and guess are None for a dense layer."""
-    q, k, v = qkv(cfg, layer, rms_norm(x, layer["attn_norm"], cfg.rms_eps), positions)
-    out = attend_rows(cfg, q, k, v, k_cache, v_cache, slots, positions)
-    return (*_after_attention(cfg, layer, x, out, nxt), k, v)
+    new V [b, k, d]); h, weights, ids and guess are None for a dense layer. mesh: the
+    weights' (the attention runs per tp shard of its heads where tp > 1)."""
+
+    def body(cfg, mesh, layer, nxt, x, k_cache, v_cache, slots, positions):
+        q, k, v = qkv(cfg, layer, rms_norm(x, layer["attn_norm"], cfg.rms_eps), positions, mesh)
+        out = attend_rows(cfg, q, k, v, k_cache, v_cache, slots, positions)
+        return (*_after_attention(cfg, layer, x, out, nxt, mesh), k, v)
+
+    return _per_shard(body, cfg, mesh, layer, nxt, (x, k_cache, v_cache, slots, positions), P(None, TP))
 
 
-@partial(jax.jit, static_argnames=("cfg",))
-def layer_chunk(cfg, layer, nxt, x, k_cache, v_cache, slot, offset):
+@partial(jax.jit, static_argnames=("cfg", "mesh"))
+def layer_chunk(cfg, layer, nxt, x, k_cache, v_cache, slot, offset, mesh: Mesh | None = None):
     """The same for a prefill chunk (as forward.prefill, attending to the slot's history,
     none at offset 0); new K [k, d, t], V [k, t, d]."""
-    positions = offset + jnp.arange(x.shape[0])
-    q, k, v = qkv(cfg, layer, rms_norm(x, layer["attn_norm"], cfg.rms_eps), positions)
-    out = attend_chunk(cfg, q, k, v, k_cache, v_cache, slot, offset)
-    return (*_after_attention(cfg, layer, x, out, nxt), k.transpose(1, 2, 0), v.transpose(1, 0, 2))
+
+    def body(cfg, mesh, layer, nxt, x, k_cache, v_cache, slot, offset):
+        positions = offset + jnp.arange(x.shape[0])
+        q, k, v = qkv(cfg, layer, rms_norm(x, layer["attn_norm"], cfg.rms_eps), positions, mesh)
+        out = attend_chunk(cfg, q, k, v, k_cache, v_cache, slot, offset)
+        return (*_after_attention(cfg, layer, x, out, nxt, mesh), k.transpose(1, 2, 0), v.transpose(1, 0, 2))
+
+    return _per_shard(body, cfg, mesh, layer, nxt, (x, k_cache, v_cache, slot, offset), P(TP))
+
+
+def _per_shard(body, cfg, mesh: Mesh | None, layer, nxt, args, new_kv: P):
+    """body(cfg, mesh, layer, nxt, *args) as it is, or with tp > 1 as a shard_map over the
+    mesh: the layer's weights split as sharding.py says, the caches along their KV
+    heads, the rest replicated; cfg as one shard sees it. new_kv: the new K and V rows'
+    spec (split along their KV heads)."""
+    if mesh is None or mesh.shape[TP] == 1:
+        return body(cfg, None, layer, nxt, *args)
+    specs = {name: leaf_spec(cfg, name) for name in layer}
+    return jax.shard_map(
+        partial(body, local_config(cfg, mesh), mesh), mesh=mesh,
+        in_specs=(specs, P(), P(), KV_SPEC, KV_SPEC, P(), P()),
+        out_specs=(P(), P(), P(), P(), P(), new_kv, new_kv), check_vma=False,
+    )(layer, nxt, *args)
 
 
 # A pool on an ep mesh: slots split along ep in equal ranges (device group g holds slots

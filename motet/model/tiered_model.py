@@ -38,7 +38,7 @@ from .generate import padded_rows
 from .kv import KVGeometry, bucket
 from .kv_writes import write_chunk, write_rows
 from .model import Model
-from .sharding import TP, mesh_of
+from .sharding import mesh_of
 from .tiered import (
     embed_tokens,
     head,
@@ -59,9 +59,6 @@ class TieredModel:
         self.mesh = mesh_of(model.weights)
         if self.mesh != pool.mesh:
             raise ValueError("the expert pool must be on the mesh the model's weights are on")
-        if self.mesh is not None and self.mesh.shape[TP] > 1:
-            raise ValueError(f"tiered experts run on an ep mesh, not yet with tp > 1 (mesh "
-                             f"{dict(self.mesh.shape)}): use ep alone or keep the experts resident")
         if moe_impl == "auto":
             moe_impl = "grouped" if jax.default_backend() == "cpu" else "ragged"
         self.impl = moe_impl
@@ -129,13 +126,13 @@ class TieredModel:
 
     def _rows_piece(self, kv, slots, positions):
         def piece(i, x, nxt):
-            return layer_rows(self.cfg, self.layers[i], nxt, x, kv[0][i], kv[1][i], slots, positions)
+            return layer_rows(self.cfg, self.layers[i], nxt, x, kv[0][i], kv[1][i], slots, positions, self.mesh)
 
         return piece
 
     def _chunk_piece(self, kv, slot: int, offset: int):
         def piece(i, x, nxt):
-            return layer_chunk(self.cfg, self.layers[i], nxt, x, kv[0][i], kv[1][i], slot, offset)
+            return layer_chunk(self.cfg, self.layers[i], nxt, x, kv[0][i], kv[1][i], slot, offset, self.mesh)
 
         return piece
 
