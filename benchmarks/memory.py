@@ -2,7 +2,7 @@
 the Engine is ready, and after one request, with and without the warm-up, each start in
 a fresh process, side by side in one run.
 
-    .venv/bin/python benchmarks/memory.py [--kv-slots 16] [--max-context 1024] [--dtype auto]
+    .venv/bin/python benchmarks/memory.py [--kv-slots 16] [--max-context 1024] [--dtype auto] [--kv-dtype auto]
 
 Prints JSON, then a table in MB: `now` is the RSS at that moment, `peak` the process's
 high-water mark so far (ru_maxrss).
@@ -32,7 +32,7 @@ def child(args) -> None:
 
     async def main() -> dict:
         out = {}
-        model = load_model(dtype=args.dtype)
+        model = load_model(dtype=args.dtype, kv_dtype=args.kv_dtype)
         out["loaded"] = sample()
         async with Engine(model=model, kv_slots=args.kv_slots, max_context=args.max_context,
                           prefill_chunk=256, warm_up=args.warm_up == "on") as engine:
@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv-slots", type=int, default=16)
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-dtype", default="auto")
     p.add_argument("--warm-up", choices=("on", "off"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.warm_up:
@@ -57,11 +58,12 @@ def main(argv=None) -> int:
     results = {}
     for warm_up in ("on", "off"):
         proc = subprocess.run([sys.executable, __file__, "--warm-up", warm_up, "--kv-slots", str(args.kv_slots),
-                               "--max-context", str(args.max_context), "--dtype", args.dtype],
+                               "--max-context", str(args.max_context), "--dtype", args.dtype,
+                               "--kv-dtype", args.kv_dtype],
                               capture_output=True, text=True, check=True)
         results[f"warm_up_{warm_up}"] = json.loads(proc.stdout.strip().splitlines()[-1])
     print(json.dumps({"kv_slots": args.kv_slots, "max_context": args.max_context, "dtype": args.dtype,
-                      "results": results}, indent=1))
+                      "kv_dtype": args.kv_dtype, "results": results}, indent=1))
     print(f"\n{'MB (now / peak)':<16}" + "".join(f"{stage:>22}" for stage in STAGES))
     for name, stages in results.items():
         cells = "".join(f"{stages[s]['now_mb']:>12.0f} / {stages[s]['peak_mb']:<7.0f}" for s in STAGES)

@@ -2,6 +2,7 @@
 one run: single-stream decode, 16 concurrent streams, and a 512-token prefill.
 
     .venv/bin/python benchmarks/peers.py [--files default,moe-q4km,moe-q8] [--repeats N] [--threads T]
+                                         [--kv float16|8-bit]
 
 The files: the default model (SmolLM2-135M-Instruct, Q4_1), and a generated MoE of
 realistic shape (benchmarks/moe_gguf.py: Qwen3-MoE layout, 12 layers, 32 experts, top-4,
@@ -16,7 +17,9 @@ scenario):
   peak RSS  each engine's process at its peak (motet: this process, with the Engine's KV
             cache; llama.cpp: its child process, with its own). Both caches hold float16 (each
             engine's default for a quantized file) and the same positions a stream: llama.cpp's
-            cells per sequence are motet's max_context.
+            cells per sequence are motet's max_context. --kv 8-bit gives both 8-bit caches:
+            motet's int8 (a float32 scale per position and KV head) and llama.cpp's q8_0 (a
+            float16 scale per 32 values; its quantized V cache needs flash attention, on).
   single    greedy decode tokens/s after a short chat prompt: (generated - 1) / (time
             from the first token to the last), prefill excluded.
   streams   16 concurrent 256-token prompts, 128 greedy tokens each: tokens generated
@@ -51,6 +54,7 @@ from pathlib import Path
 import numpy as np
 
 STREAMS = 16
+GGML_Q8_0 = 8  # ggml_type: llama.cpp's 8-bit KV cache type
 STREAM_PROMPT = 256
 PREFILL_PROMPT = 512
 NEW_TOKENS = 128
@@ -223,7 +227,7 @@ def motet_child_runs(job: dict) -> dict:
 
     from motet.model import load_model
 
-    model = load_model(job["model"])
+    model = load_model(job["model"], kv_dtype="int8" if job["kv"] == "8-bit" else "auto")
     runs = [Workload(**w) for w in job["runs"]]
     context = job["n_ctx"] // STREAMS
     out = trio.run(motet_runs, model, runs, context)
@@ -240,7 +244,8 @@ class LlamaCpp:
     every sequence attends over all cells), driven batch by batch through the
     low-level API, greedy argmax in numpy."""
 
-    def __init__(self, path: str, *, threads: int, n_ctx: int, n_seq: int, n_batch: int = 512):
+    def __init__(self, path: str, *, threads: int, n_ctx: int, n_seq: int, n_batch: int = 512,
+                 eight_bit_kv: bool = False):
         import llama_cpp as L
 
         self.L = L
@@ -256,6 +261,9 @@ class LlamaCpp:
         cp.n_threads = cp.n_threads_batch = threads
         cp.kv_unified = False
         cp.no_perf = True
+        if eight_bit_kv:
+            cp.type_k = cp.type_v = GGML_Q8_0
+            cp.flash_attn_type = 1  # enabled: a quantized V cache needs it
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create a context")
@@ -290,7 +298,8 @@ class LlamaCpp:
 
 
 def llama_cpp_runs(job: dict) -> list[dict]:
-    peer = LlamaCpp(job["model"], threads=job["threads"], n_ctx=job["n_ctx"], n_seq=STREAMS)
+    peer = LlamaCpp(job["model"], threads=job["threads"], n_ctx=job["n_ctx"], n_seq=STREAMS,
+                    eight_bit_kv=job["kv"] == "8-bit")
     out = []
     for k, w in enumerate(job["runs"]):
         new = WARM_TOKENS if k == 0 else NEW_TOKENS
@@ -376,7 +385,7 @@ def compare(name: str, path: Path, args) -> tuple[dict, str] | None:
 
     chat = load_chat(path)
     runs = [workload(chat, run) for run in range(args.repeats + 1)]  # run 0: untimed
-    job = {"model": str(path), "threads": args.threads,
+    job = {"model": str(path), "threads": args.threads, "kv": args.kv,
            "n_ctx": STREAMS * -(-(PREFILL_PROMPT + NEW_TOKENS) // 256) * 256,  # cells per sequence
            "runs": [asdict(w) for w in runs]}
     peer = run_child("llama.cpp", job)
@@ -394,7 +403,7 @@ def compare(name: str, path: Path, args) -> tuple[dict, str] | None:
               "prefill": m["prefill"]["tok_s"] / p["prefill"]["tok_s"],
               "peak_rss": m["peak_rss_mb"] / p["peak_rss_mb"]}
     result = {
-        "file": name, "model": str(path), "bytes": path.stat().st_size,
+        "file": name, "model": str(path), "bytes": path.stat().st_size, "kv": args.kv,
         "llama_cpp_threads": args.threads, "timed_runs": args.repeats,
         "reported": "best of the timed runs; ratios are motet / llama.cpp",
         "workload": {"single_prompt_tokens": [len(w.single) for w in runs[1:]], "new_tokens": NEW_TOKENS,
@@ -451,6 +460,8 @@ def main(argv=None) -> int:
                         help="comma-separated: default, moe-q4km, moe-q8 or paths of GGUF files")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs; the best is reported")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    parser.add_argument("--kv", choices=("float16", "8-bit"), default="float16",
+                        help="both KV caches: float16, or 8-bit (motet int8, llama.cpp q8_0)")
     parser.add_argument("--child", choices=("llama.cpp", "motet"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:

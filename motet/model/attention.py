@@ -35,7 +35,8 @@ def _as_cached(k, v, k_cache):
     """The new rows (K and V [rows, kv_heads, head_dim]) as an 8-bit cache will hold them:
     every position is then read with the same values whether it is the step's own or
     history, so an answer does not depend on where chunks, prefix copies or sessions
-    cut the prompt."""
+    cut the prompt. The native kernels round them themselves: in XLA these few ops a
+    layer made each compiled step hold several MB more."""
     if k_cache is None or not kv_quant.quantized(k_cache):
         return k, v
     kind = k_cache.kind
@@ -89,7 +90,6 @@ def attend_chunk(cfg, q, k, v, k_cache, v_cache, slot, offset, use_native: bool 
     On the CPU, float32 operands go to the native kernel where it was built (XLA's dots,
     mask, softmax and copies here took a third of a prefill); use_native as attend_rows.
     """
-    k, v = _as_cached(k, v, k_cache)
     floats = q.dtype == F32 and (k_cache is None or _native_cache(k_cache))
     use_native = native.use_kernel(use_native, floats, "attention")
     if not use_native:
@@ -114,6 +114,7 @@ def _attend_chunk_native(cfg, history: bool, q, k, v, k_cache, v_cache, slot, of
 
 
 def _attend_chunk_xla(cfg, q, k, v, k_cache, v_cache, slot, offset):
+    k, v = _as_cached(k, v, k_cache)
     t = q.shape[0]
     nk, g, hd = cfg.n_kv_heads, cfg.group_size, cfg.head_dim
     q = q.reshape(t, nk, g, hd).transpose(1, 2, 0, 3) * hd**-0.5  # [k, g, t, d]
@@ -146,7 +147,6 @@ def attend_rows(cfg, q, k, v, k_cache, v_cache, slots, positions, use_native: bo
     decode step there. use_native: None picks it where it applies; False forces the XLA
     loops (tests).
     """
-    k, v = _as_cached(k, v, k_cache)
     use_native = native.use_kernel(use_native, _native_cache(k_cache) and q.dtype == F32, "attention")
     args = (q, k, v, k_cache, v_cache, slots, positions)
     if not use_native:
@@ -167,6 +167,7 @@ def _attend_rows_xla(cfg, q, k, v, k_cache, v_cache, slots, positions):
     """attend_rows as XLA loops over rows, each slicing its own slot block by block: a
     gather of all rows' histories at once ran 4x slower on XLA:CPU, which copies gathered
     operands first."""
+    k, v = _as_cached(k, v, k_cache)
     b = q.shape[0]
     nk, g, hd = cfg.n_kv_heads, cfg.group_size, cfg.head_dim
     q = q.reshape(b, nk, g, hd) * hd**-0.5

@@ -133,8 +133,9 @@ def copy_slot(kv, source, target):
 
 
 # ---- one slot's KV as host arrays (sessions, handovers) ----------------------------------
-# On the host a layer's K and V are both [tokens, kv_heads, head_dim]: the layout a session
-# file and a K_LAYER frame carry, whatever the device layout is.
+# On the host a layer's K and V are both [tokens, kv_heads, row]: a row is head_dim values,
+# or an 8-bit cache's head_dim bytes and their scale (runtime/kv_format.py). The layout a
+# session file and a K_LAYER frame carry, whatever the device layout is.
 
 def read_slot_layer(kv, layer: int, slot: int, tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """The first `tokens` positions of one layer of `slot`, (K, V), contiguous host arrays

@@ -208,31 +208,17 @@ ffi::Error KvWrite(ffi::ThreadPool threads, ffi::Buffer<ffi::S32> slots, ffi::Bu
 
 enum ScaledKind : int64_t { INT8 = 0, FP8 = 1 };
 
-// float32 to fp8 e4m3, rounded to the nearest (ties to even); |f| is at most 448.
-uint8_t float_to_e4m3(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  const uint8_t sign = static_cast<uint8_t>((x >> 24) & 0x80);
-  const uint32_t magnitude = x & 0x7fffffff;
-  if (magnitude > 0x7f800000) return sign | 0x7f;  // NaN
-  if (magnitude < 0x3c800000)  // under e4m3's smallest normal, 2^-6: units of 2^-9 (8 of them is that normal)
-    return sign | static_cast<uint8_t>(std::nearbyint(std::fabs(f) * 512.f));
-  const uint32_t rounded = magnitude + 0x7ffff + ((magnitude >> 20) & 1);  // keep 3 mantissa bits
-  const uint32_t bits = (rounded >> 20) - (120u << 3);  // the exponent rebiased 127 → 7
-  return sign | static_cast<uint8_t>(bits < 0x7e ? bits : 0x7e);
-}
-
 // n floats `from_stride` apart into n bytes `to_stride` apart, and their scale.
 void quantize_vector(const float* from, int64_t from_stride, int64_t n, ScaledKind kind, uint8_t* to,
                      int64_t to_stride, float* scale) {
-  const float top = kind == INT8 ? 127.f : 448.f;
+  const float top = motet_qmatmul::scaled_top(kind == INT8 ? motet_qmatmul::I8 : motet_qmatmul::E4M3);
   float amax = 0.f;
   for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(from[i * from_stride]));
   const float inverse = amax > 0.f ? top / amax : 0.f;
   for (int64_t i = 0; i < n; ++i) {
     const float x = from[i * from_stride] * inverse;
-    const float step = std::fmin(std::fmax(std::nearbyint(x), -top), top);
-    to[i * to_stride] = kind == INT8 ? static_cast<uint8_t>(static_cast<int8_t>(step)) : float_to_e4m3(x);
+    to[i * to_stride] = kind == INT8 ? static_cast<uint8_t>(static_cast<int8_t>(motet_qmatmul::int8_step(x)))
+                                     : motet_qmatmul::float_to_e4m3(x);
   }
   *scale = amax * (1.f / top);  // as XLA computes amax / top: times the constant's reciprocal
 }

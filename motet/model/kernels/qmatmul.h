@@ -2,7 +2,9 @@
 // out[m, n] = sum_k x[m, k] * w[n, k], with w stored as the repacked layouts of
 // motet/model/quant.py; one weight value is q * scale + min over its block.
 #pragma once
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace motet_qmatmul {
 
@@ -27,6 +29,25 @@ struct Packed {
 // and KV head ([slots, kv_heads, capacity]), the value times its scale being the number.
 enum Elem : int { F32 = 0, F16 = 1, BF16 = 2, I8 = 3, E4M3 = 4 };
 constexpr bool scaled(int elem) { return elem == I8 || elem == E4M3; }
+// The largest magnitude of each 8-bit cache type: a vector's scale is its own over this.
+constexpr float scaled_top(int elem) { return elem == I8 ? 127.f : 448.f; }
+
+// float32 to fp8 e4m3, rounded to the nearest (ties to even); |f| is at most 448.
+inline uint8_t float_to_e4m3(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint8_t sign = static_cast<uint8_t>((x >> 24) & 0x80);
+  const uint32_t magnitude = x & 0x7fffffff;
+  if (magnitude > 0x7f800000) return sign | 0x7f;  // NaN
+  if (magnitude < 0x3c800000)  // under e4m3's smallest normal, 2^-6: units of 2^-9 (8 of them is that normal)
+    return sign | static_cast<uint8_t>(std::nearbyint(std::fabs(f) * 512.f));
+  const uint32_t rounded = magnitude + 0x7ffff + ((magnitude >> 20) & 1);  // keep 3 mantissa bits
+  const uint32_t bits = (rounded >> 20) - (120u << 3);  // the exponent rebiased 127 → 7
+  return sign | static_cast<uint8_t>(bits < 0x7e ? bits : 0x7e);
+}
+
+// One value's step in an int8 cache, x already times top / amax.
+inline float int8_step(float x) { return std::fmin(std::fmax(std::nearbyint(x), -127.f), 127.f); }
 
 struct QWeights {
   int kind;               // Q4: two 4-bit values a byte; Q8: one int8 a byte
