@@ -75,19 +75,37 @@ def sixteen_bit(args, dtype):
     return tuple(jnp.asarray(a, dtype) if i in (3, 4) else a for i, a in enumerate(args))
 
 
+def eight_bit(args, kind):
+    """The caches (arguments 3 and 4) quantized to an 8-bit cache, the rest as they are."""
+    k, v = args[3], args[4]
+    k_cache = kv_quant.QuantizedCache(*kv_quant.quantize(jnp.asarray(k), kind, axis=2))
+    v_cache = kv_quant.QuantizedCache(*kv_quant.quantize(jnp.asarray(v), kind, axis=3))
+    return (*args[:3], k_cache, v_cache, *args[5:])
+
+
+def narrow(args, dtype):
+    """The caches (arguments 3 and 4) as a 16-bit or an 8-bit cache, the rest as they are."""
+    if dtype in ("int8", "fp8"):
+        return eight_bit(args, dtype)
+    return sixteen_bit(args, dtype)
+
+
 # the default model's heads, and a head dim that is no multiple of a vector (the
-# one-at-a-time widening)
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["float16", "bfloat16"])
+# one-at-a-time widening); an 8-bit cache is widened and scaled as read
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, "int8", "fp8"],
+                         ids=["float16", "bfloat16", "int8", "fp8"])
 @pytest.mark.parametrize("shape", [(3, 3, 64), (1, 4, 24)])
-def test_a_16_bit_cache_is_read_as_xla_reads_it(isa, shape, dtype):
+def test_a_narrow_cache_is_read_as_xla_reads_it(isa, shape, dtype):
+    """Decode, and prefill over a history, by both paths alike."""
     cfg, args = case(*shape, capacity=600 + ATTN_BLOCK, slots=5, positions=[0, 1, 7, 257, 300, 599])
-    args = sixteen_bit(args, dtype)
+    args = narrow(args, dtype)
     assert native.ATTEND_ROWS in jax.jit(lambda *a: attend_rows(cfg, *a)).lower(*args).as_text()
     kernel, xla = both(cfg, args)
     np.testing.assert_allclose(kernel, xla, atol=2e-6, rtol=1e-5)
     for tokens, offset in ((37, 0), (5, 599)):
         _, q, k, v, caches = chunk_case(*shape, tokens, True, seed=tokens)
-        kernel, xla = chunk_both(cfg, q, k, v, tuple(jnp.asarray(c, dtype) for c in caches), 2, offset)
+        _, _, _, k_cache, v_cache = narrow((None, None, None, *caches), dtype)
+        kernel, xla = chunk_both(cfg, q, k, v, (k_cache, v_cache), 2, offset)
         np.testing.assert_allclose(kernel, xla, atol=2e-6, rtol=1e-5)
 
 
@@ -163,31 +181,6 @@ def test_a_chunk_reads_only_its_slots_history_and_its_own_earlier_tokens():
     k2[10:], v2[10:] = 1e3, 1e3  # later tokens of the chunk: the first ten do not see them
     changed, _ = chunk_both(cfg, q, k2, v2, (k_cache, v_cache), 1, 100)
     np.testing.assert_array_equal(changed[:10], before[:10])
-
-
-def eight_bit(args, kind):
-    """The caches (arguments 3 and 4) quantized to an 8-bit cache, the rest as they are."""
-    k, v = args[3], args[4]
-    k_cache = kv_quant.QuantizedCache(*kv_quant.quantize(jnp.asarray(k), kind, axis=2))
-    v_cache = kv_quant.QuantizedCache(*kv_quant.quantize(jnp.asarray(v), kind, axis=3))
-    return (*args[:3], k_cache, v_cache, *args[5:])
-
-
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
-@pytest.mark.parametrize("shape", [(3, 3, 64), (1, 4, 24)])
-def test_an_8_bit_cache_is_read_as_xla_reads_it(isa, shape, kind):
-    """Values widened and scaled as read, by both paths alike: decode, and prefill over
-    a history."""
-    cfg, args = case(*shape, capacity=600 + ATTN_BLOCK, slots=5, positions=[0, 1, 7, 257, 300, 599])
-    args = eight_bit(args, kind)
-    assert native.ATTEND_ROWS in jax.jit(lambda *a: attend_rows(cfg, *a)).lower(*args).as_text()
-    kernel, xla = both(cfg, args)
-    np.testing.assert_allclose(kernel, xla, atol=2e-6, rtol=1e-5)
-    for tokens, offset in ((37, 0), (5, 599)):
-        _, q, k, v, caches = chunk_case(*shape, tokens, True, seed=tokens)
-        _, _, _, k_cache, v_cache = eight_bit((None, None, None, *caches), kind)
-        kernel, xla = chunk_both(cfg, q, k, v, (k_cache, v_cache), 2, offset)
-        np.testing.assert_allclose(kernel, xla, atol=2e-6, rtol=1e-5)
 
 
 def test_an_8_bit_cache_loses_only_its_rounding():

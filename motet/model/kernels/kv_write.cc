@@ -119,24 +119,57 @@ struct LayerWrite {
   const float* v_new;
 };
 
-struct Write {
-  std::vector<LayerWrite> layers;
-  ffi::DataType type;
-  int64_t n_slots, heads, dim, capacity, size;
+// The caches' geometry and where a call's new rows go: the same for every layer.
+struct Where {
+  int64_t n_slots, heads, dim, capacity;
   int64_t count;  // rows, or the chunk's tokens
   bool chunk;
   const int32_t* slots;
   const int32_t* positions;
+
+  // From layer 0's K cache [slots, heads, dim, capacity] and new K.
+  void take(ffi::Span<const int64_t> kd, ffi::Span<const int64_t> nd) {
+    n_slots = kd[0], heads = kd[1], dim = kd[2], capacity = kd[3];
+    count = chunk ? nd[2] : nd[0];
+  }
+
+  // Whether a layer's K and V caches and new rows have this geometry.
+  bool fits(ffi::Span<const int64_t> kd, ffi::Span<const int64_t> vd, ffi::Span<const int64_t> nd,
+            int64_t slot_count, int64_t position_count) const {
+    const bool caches = kd[0] == n_slots && kd[1] == heads && kd[2] == dim && kd[3] == capacity &&
+                        vd[0] == n_slots && vd[1] == heads && vd[2] == capacity && vd[3] == dim;
+    if (chunk)
+      return caches && nd[0] == heads && nd[1] == dim && nd[2] == count && slot_count == 1 && position_count == 1;
+    return caches && nd[0] == count && nd[1] == heads && nd[2] == dim && slot_count == count && position_count == count;
+  }
+
+  // A chunk's tokens that land in the cache (the rest reach past its end), 0 for none.
+  int64_t chunk_tokens() const {
+    const int64_t slot = slots[0], offset = positions[0];
+    if (slot < 0 || slot >= n_slots || offset < 0) return 0;
+    return capacity - offset < count ? capacity - offset : count;
+  }
+
+  // Whether decode row r lands in the cache.
+  bool row_lands(int64_t r) const {
+    return slots[r] >= 0 && slots[r] < n_slots && positions[r] >= 0 && positions[r] < capacity;
+  }
+};
+
+struct Write {
+  std::vector<LayerWrite> layers;
+  ffi::DataType type;
+  int64_t size;  // bytes an element
+  Where at;
 };
 
 void write_layer(void* arg, int64_t layer) {
   const Write& w = *static_cast<const Write*>(arg);
   const LayerWrite& l = w.layers[layer];
-  const int64_t heads = w.heads, dim = w.dim, capacity = w.capacity, size = w.size, count = w.count;
-  if (w.chunk) {  // K [h, d, t]: each (h, d) row's tokens are contiguous in the cache too; V [h, t, d]
-    const int64_t slot = w.slots[0], offset = w.positions[0];
-    const int64_t valid = offset < 0 ? 0 : (capacity - offset < count ? capacity - offset : count);
-    if (slot < 0 || slot >= w.n_slots || valid <= 0) return;  // nothing in the cache: all dropped
+  const int64_t heads = w.at.heads, dim = w.at.dim, capacity = w.at.capacity, size = w.size, count = w.at.count;
+  if (w.at.chunk) {  // K [h, d, t]: each (h, d) row's tokens are contiguous in the cache too; V [h, t, d]
+    const int64_t slot = w.at.slots[0], offset = w.at.positions[0], valid = w.at.chunk_tokens();
+    if (valid <= 0) return;  // nothing in the cache: all dropped
     for (int64_t h = 0; h < heads; ++h) {
       for (int64_t d = 0; d < dim; ++d)
         store(l.k_new + (h * dim + d) * count, valid, w.type,
@@ -146,8 +179,8 @@ void write_layer(void* arg, int64_t layer) {
     return;
   }
   for (int64_t r = 0; r < count; ++r) {  // K and V [r, h, d]
-    const int64_t slot = w.slots[r], position = w.positions[r];
-    if (slot < 0 || slot >= w.n_slots || position < 0 || position >= capacity) continue;  // dropped
+    if (!w.at.row_lands(r)) continue;  // dropped
+    const int64_t slot = w.at.slots[r], position = w.at.positions[r];
     for (int64_t h = 0; h < heads; ++h) {
       store_column(l.k_new + (r * heads + h) * dim, dim, capacity, w.type,
                    l.k_cache + ((slot * heads + h) * dim * capacity + position) * size);
@@ -162,9 +195,9 @@ ffi::Error KvWrite(ffi::ThreadPool threads, ffi::Buffer<ffi::S32> slots, ffi::Bu
       static_cast<int64_t>(rets.size()) != 2 * layers)
     return ffi::Error::InvalidArgument("kv_write: expected K and V caches and new rows for every layer");
   Write w{};
-  w.chunk = chunk != 0;
-  w.slots = slots.typed_data();
-  w.positions = positions.typed_data();
+  w.at.chunk = chunk != 0;
+  w.at.slots = slots.typed_data();
+  w.at.positions = positions.typed_data();
   for (int64_t layer = 0; layer < layers; ++layer) {
     auto k_out = rets.get<ffi::AnyBuffer>(layer), v_out = rets.get<ffi::AnyBuffer>(layers + layer);
     auto k_new = args.get<ffi::Buffer<ffi::F32>>(2 * layers + layer);
@@ -180,19 +213,11 @@ ffi::Error KvWrite(ffi::ThreadPool threads, ffi::Buffer<ffi::S32> slots, ffi::Bu
       return ffi::Error::InvalidArgument("kv_write: bad cache ranks or element types");
     if (layer == 0) {
       w.type = type;
-      w.n_slots = kd[0], w.heads = kd[1], w.dim = kd[2], w.capacity = kd[3];
       w.size = type == ffi::DataType::F32 ? 4 : 2;
-      w.count = chunk ? nd[2] : nd[0];
+      w.at.take(kd, nd);
     }
-    const bool same = type == w.type && kd[0] == w.n_slots && kd[1] == w.heads && kd[2] == w.dim &&
-                      kd[3] == w.capacity && vd[0] == w.n_slots && vd[1] == w.heads && vd[2] == w.capacity &&
-                      vd[3] == w.dim;
-    const bool rows_fit = chunk ? (nd[0] == w.heads && nd[1] == w.dim && nd[2] == w.count &&
-                                   slots.element_count() == 1 && positions.element_count() == 1)
-                                : (nd[0] == w.count && nd[1] == w.heads && nd[2] == w.dim &&
-                                   static_cast<int64_t>(slots.element_count()) == w.count &&
-                                   static_cast<int64_t>(positions.element_count()) == w.count);
-    if (!same || !rows_fit || v_new->element_count() != k_new->element_count())
+    if (type != w.type || !w.at.fits(kd, vd, nd, slots.element_count(), positions.element_count()) ||
+        v_new->element_count() != k_new->element_count())
       return ffi::Error::InvalidArgument("kv_write: the new rows do not fit the caches");
     w.layers.push_back(LayerWrite{static_cast<char*>(k_cache.untyped_data()), static_cast<char*>(v_cache.untyped_data()),
                                   k_new->typed_data(), v_new->typed_data()});
@@ -235,16 +260,13 @@ struct ScaledLayer {
 struct ScaledWrite {
   std::vector<ScaledLayer> layers;
   ScaledKind kind;
-  int64_t n_slots, heads, dim, capacity, count;
-  bool chunk;
-  const int32_t* slots;
-  const int32_t* positions;
+  Where at;
 };
 
 void write_scaled_layer(void* arg, int64_t layer) {
   const ScaledWrite& w = *static_cast<const ScaledWrite*>(arg);
   const ScaledLayer& l = w.layers[layer];
-  const int64_t heads = w.heads, dim = w.dim, capacity = w.capacity, count = w.count;
+  const int64_t heads = w.at.heads, dim = w.at.dim, capacity = w.at.capacity, count = w.at.count;
   // one position j of head h of a slot: its K column, its V row and its scales
   auto store = [&](int64_t slot, int64_t h, int64_t position, const float* k, int64_t k_stride, const float* v) {
     const int64_t at = (slot * heads + h) * capacity + position;
@@ -252,18 +274,17 @@ void write_scaled_layer(void* arg, int64_t layer) {
                     l.k_scales + at);
     quantize_vector(v, 1, dim, w.kind, l.v_values + at * dim, 1, l.v_scales + at);
   };
-  if (w.chunk) {  // K [h, d, t], V [h, t, d]
-    const int64_t slot = w.slots[0], offset = w.positions[0];
-    const int64_t valid = offset < 0 ? 0 : (capacity - offset < count ? capacity - offset : count);
-    if (slot < 0 || slot >= w.n_slots || valid <= 0) return;
+  if (w.at.chunk) {  // K [h, d, t], V [h, t, d]
+    const int64_t slot = w.at.slots[0], offset = w.at.positions[0], valid = w.at.chunk_tokens();
+    if (valid <= 0) return;
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t j = 0; j < valid; ++j)
         store(slot, h, offset + j, l.k_new + h * dim * count + j, count, l.v_new + (h * count + j) * dim);
     return;
   }
   for (int64_t r = 0; r < count; ++r) {  // K and V [r, h, d]
-    const int64_t slot = w.slots[r], position = w.positions[r];
-    if (slot < 0 || slot >= w.n_slots || position < 0 || position >= capacity) continue;
+    if (!w.at.row_lands(r)) continue;
+    const int64_t slot = w.at.slots[r], position = w.at.positions[r];
     for (int64_t h = 0; h < heads; ++h)
       store(slot, h, position, l.k_new + (r * heads + h) * dim, 1, l.v_new + (r * heads + h) * dim);
   }
@@ -279,9 +300,9 @@ ffi::Error KvWriteScaled(ffi::ThreadPool threads, ffi::Buffer<ffi::S32> slots, f
     return ffi::Error::InvalidArgument("kv_write_scaled: expected values, scales and new rows for every layer");
   ScaledWrite w{};
   w.kind = static_cast<ScaledKind>(kind);
-  w.chunk = chunk != 0;
-  w.slots = slots.typed_data();
-  w.positions = positions.typed_data();
+  w.at.chunk = chunk != 0;
+  w.at.slots = slots.typed_data();
+  w.at.positions = positions.typed_data();
   for (int64_t layer = 0; layer < layers; ++layer) {
     auto k = rets.get<ffi::AnyBuffer>(layer), v = rets.get<ffi::AnyBuffer>(layers + layer);
     auto ks = rets.get<ffi::Buffer<ffi::F32>>(2 * layers + layer), vs = rets.get<ffi::Buffer<ffi::F32>>(3 * layers + layer);
@@ -294,21 +315,12 @@ ffi::Error KvWriteScaled(ffi::ThreadPool threads, ffi::Buffer<ffi::S32> slots, f
     if (kd.size() != 4 || vd.size() != 4 || nd.size() != 3 || (*k)->element_type() != byte ||
         (*v)->element_type() != byte)
       return ffi::Error::InvalidArgument("kv_write_scaled: bad cache ranks or element types");
-    if (layer == 0) {
-      w.n_slots = kd[0], w.heads = kd[1], w.dim = kd[2], w.capacity = kd[3];
-      w.count = chunk ? nd[2] : nd[0];
-    }
-    const int64_t positions_held = w.n_slots * w.heads * w.capacity;
-    const bool same = kd[0] == w.n_slots && kd[1] == w.heads && kd[2] == w.dim && kd[3] == w.capacity &&
-                      vd[0] == w.n_slots && vd[1] == w.heads && vd[2] == w.capacity && vd[3] == w.dim &&
-                      static_cast<int64_t>((*ks)->element_count()) == positions_held &&
-                      static_cast<int64_t>((*vs)->element_count()) == positions_held;
-    const bool rows_fit = chunk ? (nd[0] == w.heads && nd[1] == w.dim && nd[2] == w.count &&
-                                   slots.element_count() == 1 && positions.element_count() == 1)
-                                : (nd[0] == w.count && nd[1] == w.heads && nd[2] == w.dim &&
-                                   static_cast<int64_t>(slots.element_count()) == w.count &&
-                                   static_cast<int64_t>(positions.element_count()) == w.count);
-    if (!same || !rows_fit || v_new->element_count() != k_new->element_count())
+    if (layer == 0) w.at.take(kd, nd);
+    const int64_t positions_held = w.at.n_slots * w.at.heads * w.at.capacity;
+    if (!w.at.fits(kd, vd, nd, slots.element_count(), positions.element_count()) ||
+        static_cast<int64_t>((*ks)->element_count()) != positions_held ||
+        static_cast<int64_t>((*vs)->element_count()) != positions_held ||
+        v_new->element_count() != k_new->element_count())
       return ffi::Error::InvalidArgument("kv_write_scaled: the new rows do not fit the caches");
     w.layers.push_back(ScaledLayer{static_cast<uint8_t*>((*k)->untyped_data()), static_cast<uint8_t*>((*v)->untyped_data()),
                                    (*ks)->typed_data(), (*vs)->typed_data(), k_new->typed_data(), v_new->typed_data()});
@@ -317,28 +329,23 @@ ffi::Error KvWriteScaled(ffi::ThreadPool threads, ffi::Buffer<ffi::S32> slots, f
   return ffi::Error::Success();
 }
 
+// Both writes' arguments: slots, positions, the caches and new rows, then attributes.
+auto write_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .RemainingArgs()
+      .RemainingRets()
+      .Attr<int64_t>("layers")
+      .Attr<int64_t>("chunk");
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetKvWriteScaled, KvWriteScaled,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("layers")
-                                  .Attr<int64_t>("chunk")
-                                  .Attr<int64_t>("kind"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetKvWriteScaled, KvWriteScaled, write_binding().Attr<int64_t>("kind"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetKvWrite, KvWrite,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int64_t>("layers")
-                                  .Attr<int64_t>("chunk"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetKvWrite, KvWrite, write_binding());
 
 // Halves rounded by F16C (on: where the CPU has it) or by float_to_half (off): tests
 // compare both with XLA, as native.select_instruction_set("base") turns it off. Returns
