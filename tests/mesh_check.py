@@ -94,7 +94,7 @@ def random_model(arch: str, mesh=None) -> Model:
 
 def greedy(model: Model, prompt: list[int]):
     """STEPS greedy tokens through prefill_slot/decode_step in slot 1, and their logits."""
-    kv = init_kv(model.config, GEO, sharding=model_kv_sharding(model))
+    kv = init_kv(model.config, GEO, model.kv_dtype, sharding=model_kv_sharding(model))
     logits, kv = prefill_slot(model, kv, GEO, 1, prompt, 0)
     rows = [np.asarray(logits)]
     tokens = [int(rows[-1].argmax())]
@@ -103,7 +103,7 @@ def greedy(model: Model, prompt: list[int]):
         rows.append(np.asarray(logits[0]))
         tokens.append(int(rows[-1].argmax()))
     # KV heads per device after the writes (the cache must stay split with its heads)
-    kv_heads = sorted({shard.data.shape[1] for a in kv[0] + kv[1] for shard in a.addressable_shards})
+    kv_heads = sorted({shard.data.shape[1] for a in jax.tree.leaves(kv) for shard in a.addressable_shards})
     return tokens, np.stack(rows), kv_heads
 
 
@@ -125,16 +125,20 @@ def ragged_prefill_error(model: Model, arch: str) -> float:
 
 
 RANDOM = "random 8 heads / 4 KV heads"
+INT8_KV = "golden, an int8 KV cache"
 
 
 def check_models() -> list[dict]:
     cases = [(arch, layout, "golden") for arch in MOE_ARCHS for layout in MOE_LAYOUTS]
     cases += [("llama", layout, "golden") for layout in DENSE_LAYOUTS] + [("qwen3_moe", "tp=4", RANDOM)]
+    cases += [("llama", "tp=2", INT8_KV), ("qwen3_moe", "tp=4", INT8_KV)]  # values and scales split alike
     results, references = [], {}
     for arch, layout, weights in cases:
         prompt = np.load(GOLDEN / arch / "golden.npz")["prompt_ids"].tolist()
-        if weights == "golden":
-            make = lambda mesh, arch=arch: load_model(GOLDEN / arch, mesh=mesh)  # noqa: E731
+        if weights in ("golden", INT8_KV):
+            kv_dtype = "int8" if weights == INT8_KV else "auto"
+            make = lambda mesh, arch=arch, kv_dtype=kv_dtype: load_model(GOLDEN / arch, mesh=mesh,  # noqa: E731
+                                                                          kv_dtype=kv_dtype)
         else:
             make = lambda mesh, arch=arch: random_model(arch, mesh)  # noqa: E731
         if (arch, weights) not in references:

@@ -49,6 +49,8 @@ def test_every_layout_matches_one_device():
         assert r["kv_heads"] == max(r["file_kv_heads"], tp), case
     assert {(r["layout"], r["file_kv_heads"], r["kv_heads"]) for r in results if r["arch"] == "qwen3_moe"} >= {
         ("tp=4", 2, 4), ("tp=4", 4, 4)}  # repeated, and split
+    assert {(r["arch"], r["layout"]) for r in results if "int8" in r["weights"]} == {
+        ("llama", "tp=2"), ("qwen3_moe", "tp=4")}  # an 8-bit cache over the mesh
     ragged = [r["ragged_prefill_vs_golden"] for r in results if r["ragged_prefill_vs_golden"] is not None]
     assert len(ragged) == 3 and max(ragged) < ATOL  # the GPU expert path, against transformers
 
