@@ -15,7 +15,7 @@ from functools import cache
 import pytest
 from conftest import REPO
 
-from motet.model.sharding import MeshSpec, step_traffic
+from motet.model.sharding import MeshSpec, moe_layer_traffic, step_traffic
 
 # Sharded logits vs one device, max |difference| over every logit of 4 greedy steps:
 # measured 6e-6 to 1.6e-5 (psums and split matmuls add in another order), with logits up
@@ -130,6 +130,18 @@ def test_layouts_must_divide_the_model(tiny_model):
 def test_too_few_devices():
     with pytest.raises(ValueError, match="needs 4 devices, but only 1 is visible"):
         MeshSpec(ep=2, tp=2).build()
+
+
+def test_moe_layer_traffic_psum_against_dispatch(tiny_model):
+    cfg = tiny_model("qwen3_moe").config  # d = 64, 2 experts a token
+    token = 64 * 4
+    assert moe_layer_traffic(cfg, 1, rows=16) == {"psum": 0.0, "dispatch": 0.0}
+    four = moe_layer_traffic(cfg, 4, rows=16)
+    assert four["psum"] == 2 * 16 * token * 3 / 4
+    # 4 tokens a device, each to 3·(1 - (3/4)^2) remote devices on average, and back
+    assert four["dispatch"] == pytest.approx(2 * 4 * 3 * (1 - 0.75**2) * token)
+    one = moe_layer_traffic(cfg, 4, rows=1)  # one token cannot be split: dispatch sends more
+    assert one["dispatch"] > one["psum"]
 
 
 def test_step_traffic(tiny_model):

@@ -305,3 +305,18 @@ def step_traffic(cfg: ModelConfig, spec: MeshSpec, rows: int, itemsize: int = 4)
     ffn = dense * ring(act, spec.tp) + moe * ring(act, spec.size)
     return {"attention_psum": attn, "ffn_psum": ffn, "total": attn + ffn,
             "psums_per_step": (cfg.n_layers + dense) * (spec.tp > 1) + moe * (spec.size > 1)}
+
+
+def moe_layer_traffic(cfg: ModelConfig, ep: int, rows: int, itemsize: int = 4) -> dict:
+    """Bytes each device sends per MoE layer for `rows` tokens over ep devices, two ways:
+    replicate-and-psum (motet's step: every device holds every token, a psum of [t, d]
+    adds the experts' shares) against all-to-all dispatch (data-parallel attention: each
+    device holds t/ep tokens and sends each to the devices of its k experts, which send
+    the results back). Dispatch counts the expected remote devices among a token's k
+    experts spread evenly, (ep - 1)·(1 - (1 - 1/ep)^k); with fewer tokens than devices
+    a device holds one token or none (the busiest one is counted)."""
+    token = cfg.hidden_size * itemsize
+    psum = 2 * rows * token * (ep - 1) / ep if ep > 1 else 0.0
+    remote = (ep - 1) * (1 - (1 - 1 / ep) ** cfg.n_experts_per_tok) if ep > 1 else 0.0
+    held = max(rows / ep, 1.0) if ep > 1 else 0.0
+    return {"psum": psum, "dispatch": 2 * held * remote * token}
