@@ -65,7 +65,7 @@ def load_model(path: str | Path | None = None, dtype: str = AUTO, max_context: i
     expert pool to read one at a time; the model then has an `expert_reader`.
     mesh: shard the weights over several devices ("ep=4,tp=2", a MeshSpec or a Mesh with
     axes (ep, tp); see sharding.py), each leaf read into its shards directly; with
-    lazy_experts only the shared weights (the pool is split over ep, not yet over tp).
+    lazy_experts only the shared weights (the pool is split as the experts would be).
     kv_dtype: the KV cache's element type (runtime/kv_format.py; auto: float16 under
     quantized weights, else the weights' dtype)."""
     if dtype not in DTYPE_CHOICES:

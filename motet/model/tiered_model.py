@@ -14,12 +14,12 @@ Two ways to run a step:
   nothing is written: the step is thrown away and run layer by layer. A pool that holds
   what the routing wants so runs at the speed of resident experts.
 
-On an ep mesh (the model's shared weights placed on it, the pool split along ep with
-each device group's slots holding its own experts, expert_pool.py) both ways run
-there: the one-jit step is forward.py's shard_map, where each device keeps the routed
-experts whose slot is in its range; the layer pieces run replicated, and a layer's MoE
-over the pool is a shard_map of the same kind. Not yet on tp (the layer pieces do not
-split the attention).
+On a mesh (the model's shared weights placed on it, the pool split along ep with each
+device group's slots holding its own experts, and along tp each expert's width,
+expert_pool.py) both ways run there: the one-jit step is forward.py's shard_map, where
+each device keeps the routed experts whose slot is in its range; a layer piece runs
+replicated, or with tp > 1 as a shard_map over its attention heads, and a layer's MoE
+over the pool is a shard_map of the same kind.
 """
 
 from __future__ import annotations
