@@ -23,7 +23,8 @@ BATCHES = (1, 16, 512)
 def qwen3_30b_a3b() -> ModelConfig:
     return ModelConfig(arch="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                        n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, rope_theta=1e6, rms_eps=1e-6,
-                       max_context=32768, tie_embeddings=False, qk_norm="head", n_experts=128, n_experts_per_tok=8, moe_intermediate_size=768)
+                       max_context=32768, tie_embeddings=False, qk_norm="head", n_experts=128,
+                       n_experts_per_tok=8, moe_intermediate_size=768)
 
 
 def main() -> int:

@@ -5,10 +5,10 @@ in memory and in a long context's decode step. Not part of CI.
     .venv/bin/python benchmarks/kv_cache.py [--models default,qwen3_moe,PATH] [--tokens 48]
 
 Per model (the default model as its file holds it; a tests/golden checkpoint by name,
-such as the tiny Qwen3-MoE; any model file or folder by path, such as benchmarks/moe_gguf.py's
-Q4_K_M file), every cache type runs the same ids: a prompt of about 700 tokens (a chat
-turn holding a long text; shorter where the model's context is), then the float32 cache's own greedy continuation,
-teacher-forced. The prompt is prefilled in chunks of 256 (each chunk reads the cache the
+such as the tiny Qwen3-MoE; any model file or folder by path, such as
+benchmarks/moe_gguf.py's Q4_K_M file), every cache type runs the same ids: a prompt of
+about 700 tokens (a chat turn holding a long text; shorter where the model's context
+is), then the float32 cache's own greedy continuation, teacher-forced. The prompt is prefilled in chunks of 256 (each chunk reads the cache the
 chunks before it wrote), each continuation token is one decode step, and each step's
 logits are scored against the float32 cache's at the same position:
   max/median rel err  max |logit - ref| / max |ref| per position, then the max and median

@@ -75,7 +75,7 @@ def _write_scaled(k_cache, v_cache, new_k, new_v, slots, positions, *, chunk: bo
     call = jax.ffi.ffi_call(native.KV_WRITE_SCALED, [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches],
                             input_output_aliases={2 + i: i for i in range(4 * layers)})
     out = call(jnp.asarray(slots, jnp.int32).reshape(-1), jnp.asarray(positions, jnp.int32).reshape(-1), *caches,
-               *new_k, *new_v, layers=layers, chunk=int(chunk), kind=int(k_cache[0].kind == "fp8"))
+               *new_k, *new_v, layers=layers, chunk=int(chunk))
     k = [kv_quant.QuantizedCache(out[i], out[2 * layers + i]) for i in range(layers)]
     v = [kv_quant.QuantizedCache(out[layers + i], out[3 * layers + i]) for i in range(layers)]
     return k, v

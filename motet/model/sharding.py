@@ -105,7 +105,7 @@ class MeshSpec:
             problems.append(f"ep={self.ep} needs a mixture-of-experts model ({cfg.arch} is dense)")
         elif cfg.is_moe and cfg.n_experts % self.ep:
             problems.append(f"{cfg.n_experts} experts do not divide into ep={self.ep} equal shares")
-        if cfg.n_heads % self.tp or (cfg.n_kv_heads % self.tp and self.tp % cfg.n_kv_heads):
+        if not head_split_fits(cfg, self.tp):
             fits = [tp for tp in range(1, 2 * max(self.tp, cfg.n_heads) + 1) if head_split_fits(cfg, tp)]
             near = sorted(fits, key=lambda tp: (abs(tp - self.tp), tp))[:2]
             problems.append(f"{cfg.n_heads} attention heads over {cfg.n_kv_heads} KV heads do not split into "

@@ -127,6 +127,13 @@ struct Where {
   const int32_t* slots;
   const int32_t* positions;
 
+  // Where rows go; the geometry comes from the first layer (take).
+  static Where of(bool chunk, const int32_t* slots, const int32_t* positions) {
+    Where w{};
+    w.chunk = chunk, w.slots = slots, w.positions = positions;
+    return w;
+  }
+
   // From layer 0's K cache [slots, heads, dim, capacity] and new K.
   void take(ffi::Span<const int64_t> kd, ffi::Span<const int64_t> nd) {
     n_slots = kd[0], heads = kd[1], dim = kd[2], capacity = kd[3];
@@ -195,9 +202,7 @@ ffi::Error KvWrite(ffi::ThreadPool threads, ffi::Buffer<ffi::S32> slots, ffi::Bu
       static_cast<int64_t>(rets.size()) != 2 * layers)
     return ffi::Error::InvalidArgument("kv_write: expected K and V caches and new rows for every layer");
   Write w{};
-  w.at.chunk = chunk != 0;
-  w.at.slots = slots.typed_data();
-  w.at.positions = positions.typed_data();
+  w.at = Where::of(chunk != 0, slots.typed_data(), positions.typed_data());
   for (int64_t layer = 0; layer < layers; ++layer) {
     auto k_out = rets.get<ffi::AnyBuffer>(layer), v_out = rets.get<ffi::AnyBuffer>(layers + layer);
     auto k_new = args.get<ffi::Buffer<ffi::F32>>(2 * layers + layer);
@@ -228,25 +233,9 @@ ffi::Error KvWrite(ffi::ThreadPool threads, ffi::Buffer<ffi::S32> slots, ffi::Bu
 
 // ---- 8-bit caches (kv_quant.py) ----------------------------------------------------------
 // Each new K or V vector (one position of one KV head) becomes head_dim bytes and a
-// float32 scale, its largest magnitude over the type's largest value: the arithmetic of
-// kv_quant.quantize, so both writes store the same bytes.
-
-enum ScaledKind : int64_t { INT8 = 0, FP8 = 1 };
-
-// n floats `from_stride` apart into n bytes `to_stride` apart, and their scale.
-void quantize_vector(const float* from, int64_t from_stride, int64_t n, ScaledKind kind, uint8_t* to,
-                     int64_t to_stride, float* scale) {
-  const float top = motet_qmatmul::scaled_top(kind == INT8 ? motet_qmatmul::I8 : motet_qmatmul::E4M3);
-  float amax = 0.f;
-  for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(from[i * from_stride]));
-  const float inverse = amax > 0.f ? top / amax : 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    const float x = from[i * from_stride] * inverse;
-    to[i * to_stride] = kind == INT8 ? static_cast<uint8_t>(static_cast<int8_t>(motet_qmatmul::int8_step(x)))
-                                     : motet_qmatmul::float_to_e4m3(x);
-  }
-  *scale = amax * (1.f / top);  // as XLA computes amax / top: times the constant's reciprocal
-}
+// float32 scale (qmatmul.h's quantize_vector: the arithmetic of kv_quant.quantize, so
+// both writes store the same bytes). The cache's type says which bytes: int8, or fp8's
+// bit patterns as uint8.
 
 struct ScaledLayer {
   uint8_t* k_values;  // [slots, heads, dim, capacity]
@@ -259,7 +248,7 @@ struct ScaledLayer {
 
 struct ScaledWrite {
   std::vector<ScaledLayer> layers;
-  ScaledKind kind;
+  int elem;  // qmatmul.h's I8 or E4M3
   Where at;
 };
 
@@ -270,9 +259,9 @@ void write_scaled_layer(void* arg, int64_t layer) {
   // one position j of head h of a slot: its K column, its V row and its scales
   auto store = [&](int64_t slot, int64_t h, int64_t position, const float* k, int64_t k_stride, const float* v) {
     const int64_t at = (slot * heads + h) * capacity + position;
-    quantize_vector(k, k_stride, dim, w.kind, l.k_values + (slot * heads + h) * dim * capacity + position, capacity,
-                    l.k_scales + at);
-    quantize_vector(v, 1, dim, w.kind, l.v_values + at * dim, 1, l.v_scales + at);
+    uint8_t* k_column = l.k_values + (slot * heads + h) * dim * capacity + position;
+    l.k_scales[at] = motet_qmatmul::quantize_vector(k, k_stride, dim, w.elem, k_column, capacity);
+    l.v_scales[at] = motet_qmatmul::quantize_vector(v, 1, dim, w.elem, l.v_values + at * dim, 1);
   };
   if (w.at.chunk) {  // K [h, d, t], V [h, t, d]
     const int64_t slot = w.at.slots[0], offset = w.at.positions[0], valid = w.at.chunk_tokens();
@@ -293,37 +282,38 @@ void write_scaled_layer(void* arg, int64_t layer) {
 // Arguments: slots, positions, then per layer K values, V values, K scales, V scales
 // (each group `layers` long, aliased to the results in that order), new K, new V.
 ffi::Error KvWriteScaled(ffi::ThreadPool threads, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> positions,
-                         ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t layers, int64_t chunk,
-                         int64_t kind) {
-  if (layers < 1 || static_cast<int64_t>(args.size()) != 6 * layers ||
-      static_cast<int64_t>(rets.size()) != 4 * layers || (kind != INT8 && kind != FP8))
+                         ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t layers, int64_t chunk) {
+  if (layers < 1 || static_cast<int64_t>(args.size()) != 6 * layers || static_cast<int64_t>(rets.size()) != 4 * layers)
     return ffi::Error::InvalidArgument("kv_write_scaled: expected values, scales and new rows for every layer");
   ScaledWrite w{};
-  w.kind = static_cast<ScaledKind>(kind);
-  w.at.chunk = chunk != 0;
-  w.at.slots = slots.typed_data();
-  w.at.positions = positions.typed_data();
+  w.at = Where::of(chunk != 0, slots.typed_data(), positions.typed_data());
   for (int64_t layer = 0; layer < layers; ++layer) {
     auto k = rets.get<ffi::AnyBuffer>(layer), v = rets.get<ffi::AnyBuffer>(layers + layer);
-    auto ks = rets.get<ffi::Buffer<ffi::F32>>(2 * layers + layer), vs = rets.get<ffi::Buffer<ffi::F32>>(3 * layers + layer);
+    auto ks = rets.get<ffi::Buffer<ffi::F32>>(2 * layers + layer);
+    auto vs = rets.get<ffi::Buffer<ffi::F32>>(3 * layers + layer);
     auto k_new = args.get<ffi::Buffer<ffi::F32>>(4 * layers + layer);
     auto v_new = args.get<ffi::Buffer<ffi::F32>>(5 * layers + layer);
     if (k.has_error() || v.has_error() || ks.has_error() || vs.has_error() || k_new.has_error() || v_new.has_error())
       return ffi::Error::InvalidArgument("kv_write_scaled: the scales and the new rows must be float32");
     const auto kd = (*k)->dimensions(), vd = (*v)->dimensions(), nd = k_new->dimensions();
-    const auto byte = kind == INT8 ? ffi::DataType::S8 : ffi::DataType::U8;
-    if (kd.size() != 4 || vd.size() != 4 || nd.size() != 3 || (*k)->element_type() != byte ||
-        (*v)->element_type() != byte)
+    const auto type = (*k)->element_type();
+    if (kd.size() != 4 || vd.size() != 4 || nd.size() != 3 || (*v)->element_type() != type ||
+        (type != ffi::DataType::S8 && type != ffi::DataType::U8) ||
+        (layer > 0 && (type == ffi::DataType::S8) != (w.elem == motet_qmatmul::I8)))
       return ffi::Error::InvalidArgument("kv_write_scaled: bad cache ranks or element types");
-    if (layer == 0) w.at.take(kd, nd);
+    if (layer == 0) {
+      w.elem = type == ffi::DataType::S8 ? motet_qmatmul::I8 : motet_qmatmul::E4M3;
+      w.at.take(kd, nd);
+    }
     const int64_t positions_held = w.at.n_slots * w.at.heads * w.at.capacity;
     if (!w.at.fits(kd, vd, nd, slots.element_count(), positions.element_count()) ||
         static_cast<int64_t>((*ks)->element_count()) != positions_held ||
         static_cast<int64_t>((*vs)->element_count()) != positions_held ||
         v_new->element_count() != k_new->element_count())
       return ffi::Error::InvalidArgument("kv_write_scaled: the new rows do not fit the caches");
-    w.layers.push_back(ScaledLayer{static_cast<uint8_t*>((*k)->untyped_data()), static_cast<uint8_t*>((*v)->untyped_data()),
-                                   (*ks)->typed_data(), (*vs)->typed_data(), k_new->typed_data(), v_new->typed_data()});
+    w.layers.push_back(ScaledLayer{static_cast<uint8_t*>((*k)->untyped_data()),
+                                   static_cast<uint8_t*>((*v)->untyped_data()), (*ks)->typed_data(),
+                                   (*vs)->typed_data(), k_new->typed_data(), v_new->typed_data()});
   }
   motet_qmatmul::for_each_on_pool(&threads, layers, write_scaled_layer, &w);
   return ffi::Error::Success();
@@ -343,7 +333,7 @@ auto write_binding() {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetKvWriteScaled, KvWriteScaled, write_binding().Attr<int64_t>("kind"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetKvWriteScaled, KvWriteScaled, write_binding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetKvWrite, KvWrite, write_binding());
 

@@ -24,9 +24,9 @@ struct Packed {
 };
 
 // What a KV cache holds: float32, or 16-bit floats (IEEE half, as llama.cpp's cache, or
-// bfloat16), widened to float32 as they are read.
-// A KV cache's element type. I8 and E4M3 (fp8) come with a float32 scale per position
-// and KV head ([slots, kv_heads, capacity]), the value times its scale being the number.
+// bfloat16), widened to float32 as they are read; or bytes, I8 and E4M3 (fp8), with a
+// float32 scale per position and KV head ([slots, kv_heads, capacity]), the value times
+// its scale being the number.
 enum Elem : int { F32 = 0, F16 = 1, BF16 = 2, I8 = 3, E4M3 = 4 };
 constexpr bool scaled(int elem) { return elem == I8 || elem == E4M3; }
 // The largest magnitude of each 8-bit cache type: a vector's scale is its own over this.
@@ -46,8 +46,24 @@ inline uint8_t float_to_e4m3(float f) {
   return sign | static_cast<uint8_t>(bits < 0x7e ? bits : 0x7e);
 }
 
-// One value's step in an int8 cache, x already times top / amax.
-inline float int8_step(float x) { return std::fmin(std::fmax(std::nearbyint(x), -127.f), 127.f); }
+// kv_quant.quantize's arithmetic for one vector of n values `from_stride` apart, in an
+// 8-bit cache of type elem: each value's byte into to[i * to_stride]; returns the
+// vector's scale (its largest magnitude over scaled_top, computed as XLA computes it:
+// times the constant's reciprocal). The native write and the attention's rounding of a
+// step's own rows both use it, so both give back what XLA's write stores.
+inline float quantize_vector(const float* from, int64_t from_stride, int64_t n, int elem, uint8_t* to,
+                             int64_t to_stride) {
+  const float top = scaled_top(elem);
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(from[i * from_stride]));
+  const float inverse = amax > 0.f ? top / amax : 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = from[i * from_stride] * inverse;
+    const float step = std::fmin(std::fmax(std::nearbyint(x), -top), top);  // int8's
+    to[i * to_stride] = elem == I8 ? static_cast<uint8_t>(static_cast<int8_t>(step)) : float_to_e4m3(x);
+  }
+  return amax * (1.f / top);
+}
 
 struct QWeights {
   int kind;               // Q4: two 4-bit values a byte; Q8: one int8 a byte

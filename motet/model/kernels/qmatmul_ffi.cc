@@ -248,7 +248,8 @@ ffi::Error AttendRows(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buf
 // caches and their scales (read where has_history), slot and offset (one int32 each).
 ffi::Error AttendChunk(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_chunk,
                        ffi::Buffer<ffi::F32> v_chunk, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
-                       ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> offset, ffi::ResultBuffer<ffi::F32> out,
+                       ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> slot,
+                       ffi::Buffer<ffi::S32> offset, ffi::ResultBuffer<ffi::F32> out,
                        float scale, int64_t has_history) {
   const auto qd = q.dimensions(), kd = k_chunk.dimensions(), vd = v_chunk.dimensions();
   const auto cd = k_cache.dimensions(), cv = v_cache.dimensions();
