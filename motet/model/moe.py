@@ -19,11 +19,14 @@ from jax.sharding import Mesh
 
 from . import native
 from .config import ModelConfig
-from .quant import QTensor, as_float_stack, ffi_operands, matmul, matmul_stacked
+from .quant import QTensor, as_float_stack, ffi_operands, matmul, matmul_gathered, matmul_stacked
 from .sharding import EP, TP
 
-MoeImpl = Literal["auto", "grouped", "ragged"]
+MoeImpl = Literal["auto", "grouped", "ragged", "gather"]
 MOE_IMPLS = get_args(MoeImpl)
+# Token-expert pairs up to which "auto" gathers each pair's matrices off the CPU (a
+# decode batch: 16 rows of top-8); more go through ragged_dot. See docs/performance.md.
+GATHER_MAX_PAIRS = 128
 
 
 def route(cfg: ModelConfig, router: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -125,6 +128,41 @@ def experts_ragged(x, weights, ids, gate_up, down, elsewhere: bool = False):
     return jnp.zeros_like(x).at[token].add(ys * w[:, None])
 
 
+def experts_gathered(x, weights, ids, gate_up, down):
+    """Each token-expert pair's matrices gathered from the stack, then one batch of
+    matrix-vector products: reads the chosen experts only (once per pair), where
+    ragged_dot on a GPU may go through every expert; for small decode batches. An
+    `elsewhere` id (== the stack's size) reads the last expert at weight 0."""
+    t, k = ids.shape
+    flat = jnp.minimum(ids.reshape(-1), gate_up.shape[0] - 1)
+    h = matmul_gathered(jnp.repeat(x, k, axis=0), gate_up, flat)
+    ys = matmul_gathered(swiglu(h), down, flat).reshape(t, k, -1)
+    return jnp.einsum("tkd,tk->td", ys, weights.astype(ys.dtype))
+
+
+def pick_impl(impl: str, pairs: int) -> str:
+    """The expert path "auto" stands for: the grouped loop on the CPU (native kernels),
+    elsewhere gathered matrices for a decode batch and ragged_dot for more."""
+    if impl != "auto":
+        return impl
+    if jax.default_backend() == "cpu":
+        return "grouped"
+    return "gather" if pairs <= GATHER_MAX_PAIRS else "ragged"
+
+
+def routed_experts(x, weights, ids, gate_up, down, impl: str = "auto", elsewhere: bool = False):
+    """Each token's routed experts [t, d] by the path `impl` names (MOE_IMPLS)."""
+    impl = pick_impl(impl, ids.size)
+    if impl == "ragged":
+        return experts_ragged(x, weights, ids, gate_up, down, elsewhere=elsewhere)
+    if impl == "gather":
+        return experts_gathered(x, weights, ids, gate_up, down)
+    if impl == "grouped":
+        block = group_block(ids.size, gate_up.shape[0])
+        return experts_grouped(x, weights, ids, gate_up, down, block, elsewhere=elsewhere)
+    raise ValueError(f"unknown MoE implementation {impl!r}; choose from {MOE_IMPLS}")
+
+
 def group_block(assignments: int, n_experts: int) -> int:
     """Rows per block: about one expert's average share, so padding stays small."""
     share = max(1, assignments // n_experts)
@@ -150,15 +188,7 @@ def moe_ffn(cfg: ModelConfig, layer: dict, x: jax.Array, impl: str = "auto", mes
     sharded = mesh is not None and mesh.shape[EP] > 1
     if sharded:
         weights, slots = local_experts(weights, slots, gate_up.shape[0])
-    if impl == "auto":
-        impl = "grouped" if jax.default_backend() == "cpu" else "ragged"
-    if impl == "ragged":
-        y = experts_ragged(x, weights, slots, gate_up, down, elsewhere=sharded)
-    elif impl == "grouped":
-        block = group_block(ids.size, cfg.n_experts)
-        y = experts_grouped(x, weights, slots, gate_up, down, block, elsewhere=sharded)
-    else:
-        raise ValueError(f"unknown MoE implementation {impl!r}; choose from {MOE_IMPLS}")
+    y = routed_experts(x, weights, slots, gate_up, down, impl, elsewhere=sharded)
     if mesh is not None and mesh.size > 1:
         y = jax.lax.psum(y, (EP, TP))
     return y, ids

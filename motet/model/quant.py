@@ -161,6 +161,16 @@ def matmul_stacked(x: jax.Array, w, index) -> jax.Array:
     return jnp.dot(x, jax.lax.dynamic_index_in_dim(w, index, 0, keepdims=False))
 
 
+def matmul_gathered(x: jax.Array, w, index: jax.Array) -> jax.Array:
+    """Row a of x [A, K] times matrix index[a] of a stack ([E, K, N] plain, or a QTensor
+    [E, N, K]), as [A, N] in x's dtype: a batch of matrix-vector products over the
+    gathered matrices, which reads only the matrices `index` names."""
+    if isinstance(w, QTensor):
+        picked = dequantize(pick_rows(w, index), x.dtype)
+        return jnp.einsum("ak,ank->an", x, picked, preferred_element_type=F32).astype(x.dtype)
+    return jnp.einsum("ak,akn->an", x, w[index])
+
+
 def take_rows(w, rows) -> jax.Array:
     """Rows of a matrix as floats (an embedding lookup): of a QTensor, only those rows
     are dequantized."""

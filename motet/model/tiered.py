@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from .attention import attend_chunk, attend_rows
 from .forward import embed, lm_head, qkv
-from .moe import dense_ffn, experts_grouped, experts_ragged, group_block, local_experts, route
+from .moe import dense_ffn, local_experts, route, routed_experts
 from .norm import add_rms_norm, rms_norm
 from .quant import matmul
 from .sharding import EP, KV_SPEC, LEAF_SPECS, TP, leaf_spec, local_config
@@ -125,22 +125,15 @@ def moe_over_pool(x, h, w, mask, slot_ids, pool_gate_up, pool_down, *, impl, mes
     it (POOL_SPECS); each device runs the assignments whose slot is its own, a psum adds
     the shares (as moe.moe_ffn on a mesh)."""
     if mesh is None:
-        return x + _pool_experts(h, w * mask, slot_ids, pool_gate_up, pool_down, impl, sharded=False)
+        return x + routed_experts(h, w * mask, slot_ids, pool_gate_up, pool_down, impl)
 
     def body(x, h, w, mask, slot_ids, gate_up, down):
         local_w, local_ids = local_experts(w * mask, slot_ids, gate_up.shape[0])
-        y = _pool_experts(h, local_w, local_ids, gate_up, down, impl, sharded=True)
+        y = routed_experts(h, local_w, local_ids, gate_up, down, impl, elsewhere=True)
         return x + jax.lax.psum(y, (EP, TP))
 
     return jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 5 + POOL_SPECS, out_specs=P(),
                          check_vma=False)(x, h, w, mask, slot_ids, pool_gate_up, pool_down)
-
-
-def _pool_experts(h, w, slot_ids, gate_up, down, impl, sharded):
-    if impl == "ragged":
-        return experts_ragged(h, w, slot_ids, gate_up, down, elsewhere=sharded)
-    block = group_block(slot_ids.size, gate_up.shape[0])
-    return experts_grouped(h, w, slot_ids, gate_up, down, block, elsewhere=sharded)
 
 
 @partial(jax.jit, static_argnames=("mesh",), donate_argnums=(0, 1))

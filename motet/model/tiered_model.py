@@ -59,8 +59,6 @@ class TieredModel:
         self.mesh = mesh_of(model.weights)
         if self.mesh != pool.mesh:
             raise ValueError("the expert pool must be on the mesh the model's weights are on")
-        if moe_impl == "auto":
-            moe_impl = "grouped" if jax.default_backend() == "cpu" else "ragged"
         self.impl = moe_impl
         self.top = top_weights(model.weights)
         self.layers = [shared_weights(layer) for layer in model.weights["layers"]]
