@@ -15,7 +15,8 @@ benchmarks/gpu.py measures the Engine end to end on a real file (tokenizer, samp
 Trio); this measures what the device does with one step, where the roofline is reached
 or not. Bytes a step reads: every matrix once, the routed experts' share (uniform
 routing: 1 - (1 - k/E)^rows of each expert stack), one embedding row per row; the KV
-(positions 0..128) is left out, under 1% here. --small: a 2-layer, 16-expert, d 256
+(a slot's 512 positions a row, read whole off the CPU) is left out, under 1% here. The
+steps are dispatched back to back: the device's time, not the Engine's round trip. --small: a 2-layer, 16-expert, d 256
 model, a check of the script on a CPU, not a measure.
 """
 
@@ -107,8 +108,8 @@ def step_bytes(cfg, weights, rows: int) -> float:
 
 
 def _timed(call, steps: int) -> dict:
-    """The first call (compile) and the mean of `steps` more, or the error of a path XLA
-    cannot compile here."""
+    """The first call (compile) and the mean of `steps` more, dispatched back to back
+    (the device's time, not a round trip's), or the error of a path XLA cannot compile."""
     import jax
 
     t0 = time.perf_counter()
@@ -137,28 +138,26 @@ def measure(cfg, fmt: str, impls, rows_list, steps: int, bandwidth: float, prefi
     import jax
     import jax.numpy as jnp
 
-    from motet.model.forward import prefill
-    from motet.model.generate import decode_step
+    import numpy as np
+
+    from motet.model.forward import decode, prefill
     from motet.model.kv import KVGeometry, init_kv
-    from motet.model.model import Model
 
     started = time.perf_counter()
     weights = random_weights(cfg, fmt)
     jax.block_until_ready(weights)
     made_s = time.perf_counter() - started
-    model = Model(config=cfg, weights=weights, tokenizer=None, path=Path("synthetic"),
-                  dtype="bfloat16" if fmt == "bf16" else "float32")
     kv_dtype = "bfloat16" if fmt == "bf16" else "float16"
     geo = KVGeometry(n_slots=max(rows_list), max_context=512, chunk=64)
     out = []
     for impl in impls:
-        kv = [init_kv(cfg, geo, kv_dtype)]  # the step donates the caches: each call takes the last one's
+        k, v = init_kv(cfg, geo, kv_dtype)
         for rows in rows_list:
-            tokens, slots = list(range(1, rows + 1)), list(range(rows))
+            args = [jax.device_put(np.asarray(a, np.int32)) for a in
+                    (np.arange(1, rows + 1), np.arange(rows), np.full(rows, CONTEXT))]
 
-            def step(i, tokens=tokens, slots=slots, rows=rows):
-                logits, kv[0] = decode_step(model, kv[0], geo, tokens, slots, [CONTEXT + i] * rows, moe_impl=impl)
-                return logits
+            def step(i, args=args):
+                return decode(weights, k, v, *args, cfg=cfg, moe_impl=impl)[0]
 
             timed = _timed(step, steps)
             if "error" not in timed:

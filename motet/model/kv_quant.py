@@ -81,8 +81,11 @@ def dequantize(values: jax.Array, scales: jax.Array, axis: int) -> jax.Array:
 
 
 def rounded(x: jax.Array, kind: str, axis: int) -> jax.Array:
-    """x as the cache gives it back: quantized and widened again, in x's dtype."""
-    return dequantize(*quantize(x, kind, axis), axis % x.ndim).astype(x.dtype)
+    """x as the cache gives it back: quantized and widened again, in x's dtype. The
+    barrier keeps XLA:GPU from folding float32 → fp8 → float32 back into x (it drops such
+    round trips where excess precision is allowed, its default; measured on an H200)."""
+    values, scales = jax.lax.optimization_barrier(quantize(x, kind, axis))
+    return dequantize(values, scales, axis % x.ndim).astype(x.dtype)
 
 
 # ---- off the device (runtime/kv_format.py: a row is the values, then the scale) ---------
