@@ -137,7 +137,6 @@ def measure(cfg, fmt: str, impls, rows_list, steps: int, bandwidth: float, prefi
             prefill_impls) -> list[dict]:
     import jax
     import jax.numpy as jnp
-
     import numpy as np
 
     from motet.model.forward import decode, prefill
