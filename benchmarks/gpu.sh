@@ -29,7 +29,7 @@ if [[ $part == tests || $part == all ]]; then
     $PY -m pytest -q -p no:cacheprovider -n "${TEST_PROCS:-6}" \
     -m "not slow and not subprocess and not browser" -k "not native_kernel_is_built" \
     tests/test_golden_models.py tests/test_gguf_moe.py tests/test_quant.py tests/test_quantized_experts.py \
-    tests/test_kv_consistency.py tests/test_sampling.py tests/test_kv_quant.py 2>&1 | tee "$OUT/tests.txt"
+    tests/test_kv_consistency.py tests/test_sampling.py tests/test_kv_quant.py tests/test_attention_paths.py 2>&1 | tee "$OUT/tests.txt"
 fi
 if [[ $part == roofline || $part == all ]]; then
   timeout "${ROOFLINE_S:-210}" $PY benchmarks/gpu_roofline.py --json "$OUT/roofline.json" \

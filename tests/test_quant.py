@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from motet.model import native
+from motet.model import native, quant
 from motet.model.gguf_quants import REPACK
 from motet.model.quant import QTensor, as_q8, dequantize, matmul, matmul_stacked, qmatmul, scales_of, stack, stack_rows
 
@@ -250,3 +250,15 @@ def test_gguf_routing_renormalizes_as_llama_cpp_does(arch, key, renormalized):
     if key is not None:
         meta[f"{arch}.expert_weights_norm"] = key
     assert config_from_gguf(meta, has_output_weight=True).norm_topk_prob is renormalized
+
+
+def test_one_row_as_a_fused_reduction_equals_the_dequantized_dot():
+    """The GPU's form of a decode token's product (quant._reduced_row): every layout,
+    against the float32 dot over the same values."""
+    rng = np.random.default_rng(0)
+    for w in layouts():
+        x = jnp.asarray(rng.standard_normal((1, w.shape[1])), jnp.float32)
+        w = jax.tree.map(jnp.asarray, w)
+        got, want = (np.asarray(jax.jit(f)(x, w)) for f in (quant._reduced_row, quant._dequantized_dot))
+        assert got.shape == want.shape == (1, w.shape[0])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

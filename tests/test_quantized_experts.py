@@ -23,7 +23,7 @@ from test_expert_tiers import MOE_ARCHS, long_prompt, make_pool, resident_run, t
 
 from motet.model import UnsupportedModelError, load_model, native
 from motet.model.forward import prefill
-from motet.model.moe import MOE_IMPLS
+from motet.model.moe import MOE_IMPLS, pick_impl
 from motet.model.quant import QTensor, dequantize, quantize
 from motet.model.tiered_model import TieredModel
 
@@ -89,6 +89,17 @@ def test_every_moe_implementation_reads_quantized_experts(impl):
     got = run(model.weights, moe_impl=impl)[0]
     want = run(dequantized(model).weights, moe_impl="grouped")[0]
     assert relative_error(got, want) < RTOL
+
+
+def test_auto_picks_the_expert_path_measured_fastest_for_the_batch():
+    """docs/performance.md's H200 table: gather for decode batches (float experts at one
+    row only), ragged_dot for float experts at 16 rows, the grouped loop for prefills."""
+    gpu = {(pairs, quantized): pick_impl("auto", pairs, quantized, "gpu")
+           for pairs in (8, 128, 4096) for quantized in (False, True)}
+    assert gpu == {(8, False): "gather", (128, False): "ragged", (4096, False): "grouped",
+                   (8, True): "gather", (128, True): "gather", (4096, True): "grouped"}
+    assert {pick_impl("auto", pairs, True, "cpu") for pairs in (8, 4096)} == {"grouped"}
+    assert pick_impl("ragged", 8, True, "gpu") == "ragged"
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)

@@ -24,9 +24,13 @@ from .sharding import EP, TP
 
 MoeImpl = Literal["auto", "grouped", "ragged", "gather"]
 MOE_IMPLS = get_args(MoeImpl)
-# Token-expert pairs up to which "auto" gathers each pair's matrices off the CPU (a
-# decode batch: 16 rows of top-8); more go through ragged_dot. See docs/performance.md.
-GATHER_MAX_PAIRS = 128
+# Off the CPU, "auto" picks by token-expert pairs, as measured on an H200 (a 12-layer
+# Qwen3-30B-A3B-shaped step, docs/performance.md): gathering each pair's matrices won at
+# 1 row of top-8 in every format and at 16 rows for quantized experts, which ragged_dot
+# dequantizes whole; ragged_dot won for float experts at 16 rows; the grouped loop won a
+# 512-token prefill in every format. The limits sit at the measured points.
+GATHER_MAX_PAIRS = {"float": 8, "quantized": 128}
+RAGGED_MAX_PAIRS = 128
 
 
 def route(cfg: ModelConfig, router: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -140,19 +144,21 @@ def experts_gathered(x, weights, ids, gate_up, down):
     return jnp.einsum("tkd,tk->td", ys, weights.astype(ys.dtype))
 
 
-def pick_impl(impl: str, pairs: int) -> str:
-    """The expert path "auto" stands for: the grouped loop on the CPU (native kernels),
-    elsewhere gathered matrices for a decode batch and ragged_dot for more."""
+def pick_impl(impl: str, pairs: int, quantized: bool, backend: str) -> str:
+    """The expert path "auto" stands for: the grouped loop on the CPU (native kernels);
+    elsewhere by the batch's token-expert pairs (GATHER_MAX_PAIRS)."""
     if impl != "auto":
         return impl
-    if jax.default_backend() == "cpu":
+    if backend == "cpu":
         return "grouped"
-    return "gather" if pairs <= GATHER_MAX_PAIRS else "ragged"
+    if pairs <= GATHER_MAX_PAIRS["quantized" if quantized else "float"]:
+        return "gather"
+    return "ragged" if pairs <= RAGGED_MAX_PAIRS and not quantized else "grouped"
 
 
 def routed_experts(x, weights, ids, gate_up, down, impl: str = "auto", elsewhere: bool = False):
     """Each token's routed experts [t, d] by the path `impl` names (MOE_IMPLS)."""
-    impl = pick_impl(impl, ids.size)
+    impl = pick_impl(impl, ids.size, isinstance(gate_up, QTensor), jax.default_backend())
     if impl == "ragged":
         return experts_ragged(x, weights, ids, gate_up, down, elsewhere=elsewhere)
     if impl == "gather":
