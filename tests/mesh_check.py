@@ -5,6 +5,7 @@ imported, and the rest of the suite runs on one device).
     python tests/mesh_check.py models   # greedy tokens and logits per (arch, layout)
     python tests/mesh_check.py engine   # the full Engine on a mesh vs on one device
     python tests/mesh_check.py tiered   # tiered experts, a pool per ep device, vs resident
+    python tests/mesh_check.py dispatch # ep's token dispatch (all_to_all) vs one device
 
 The tiny golden checkpoints have 4 query heads over 2 KV heads, so at tp=4 each KV head
 is repeated on two devices; one more case splits 4 KV heads over tp=4 (the same
@@ -357,11 +358,55 @@ async def _tiered_engine(mesh, arch: str = "qwen3_moe") -> dict:
             "compiles_after_ready": compiles}
 
 
+def check_dispatch() -> list[dict]:
+    """Every batch dispatched over ep (moe.experts_dispatched, its threshold set to one
+    token): whole prompts of several lengths and greedy decode steps, against one
+    device; then with one slot per pair of ranks, where every batch overflows and takes
+    the replicate-and-psum path."""
+    import jax.numpy as jnp
+
+    from motet.model import moe
+    from motet.model.forward import prefill
+    from motet.model.kv import bucket
+
+    moe.DISPATCH_MIN_TOKENS, moe.DISPATCH_MIN_EP = {"cpu": 1}, 2
+    results = []
+    for arch in ("qwen3_moe", "mixtral"):
+        prompt = np.load(GOLDEN / arch / "golden.npz")["prompt_ids"]
+        one = load_model(GOLDEN / arch)
+        for layout, capacity in (("ep=4", 2.0), ("ep=2,tp=2", 2.0), ("ep=4", 1e-3)):
+            moe.DISPATCH_CAPACITY = capacity
+            jax.clear_caches()  # the steps read these constants when traced
+            model = load_model(GOLDEN / arch, mesh=layout)
+            ep = int(layout.split(",")[0].split("=")[1])
+            for n in (5, 24, 64):
+                ids = np.resize(prompt, n)
+                padded = jnp.asarray(np.pad(ids, (0, bucket(n) - n)).astype(np.int32))
+                run = [prefill(m.weights, [], [], padded, 0, 0, n, cfg=m.config, with_history=False,
+                               all_logits=True) for m in (one, model)]
+                want, got = (np.asarray(r[0][:n]) for r in run)
+                chosen = np.asarray(run[0][3][0])  # the first MoE layer's experts [t, k]
+                share = -(-len(chosen) // ep)
+                per_rank = chosen.reshape(-1, chosen.shape[1]) // (model.config.n_experts // ep)
+                counts = [np.bincount(per_rank[r * share:(r + 1) * share].ravel(), minlength=ep).max()
+                          for r in range(ep)]
+                results.append({"arch": arch, "layout": layout, "capacity": capacity, "tokens": n,
+                                "dispatched": bool(max(counts) <= max(1, int(capacity * share * chosen.shape[1] / ep))),
+                                "max_abs_logit_diff": float(np.abs(got - want).max()),
+                                "logit_scale": float(np.abs(want).max())})
+            tokens, logits, _ = greedy(model, prompt.tolist())
+            ref_tokens, ref_logits, _ = greedy(one, prompt.tolist())
+            results.append({"arch": arch, "layout": layout, "capacity": capacity, "greedy": tokens,
+                            "one_device": ref_tokens, "max_abs_logit_diff": float(np.abs(logits - ref_logits).max()),
+                            "logit_scale": float(np.abs(ref_logits).max())})
+    return results
+
+
 def main(argv: list[str]) -> None:
     what = argv[1] if len(argv) > 1 else "models"
     if len(jax.devices()) != DEVICES:
         raise SystemExit(f"expected {DEVICES} devices, got {jax.devices()}")
-    out = {"models": check_models, "engine": check_engine, "tiered": check_tiered}[what]()
+    out = {"models": check_models, "engine": check_engine, "tiered": check_tiered, "dispatch": check_dispatch}[what]()
     print(json.dumps(out))
 
 

@@ -15,6 +15,7 @@ from functools import cache
 import pytest
 from conftest import REPO
 
+from motet.model.moe import dispatches
 from motet.model.sharding import MeshSpec, moe_layer_traffic, step_traffic
 
 # Sharded logits vs one device, max |difference| over every logit of 4 greedy steps:
@@ -89,6 +90,29 @@ def test_tiered_experts_on_meshes_match_resident_on_one_device():
     assert sum(r["one_jit_steps"] for r in results if r["how"] == "one-jit") > 0  # the shard_map step ran
     assert all(r["one_jit_steps"] == r["thrown_away"] == 0 for r in results if r["how"] == "layers")
     assert all("must both divide by 2" in r["uneven_pool"] for r in results)  # 3 slots on ep=2: refused
+
+
+def test_dispatched_tokens_match_one_device():
+    """ep's token dispatch (all_to_all to the experts' ranks and back), forced for every
+    batch: prompts of 5, 24 and 64 tokens and greedy decode steps on ep=4 and ep=2×tp=2,
+    and with one slot per pair of ranks, where each batch falls back to the psum."""
+    results = mesh_check("dispatch")
+    for r in results:
+        case = f"{r['arch']} {r['layout']} capacity {r['capacity']} {r.get('tokens', 'greedy')}"
+        assert r["max_abs_logit_diff"] < ATOL, case
+        if "greedy" in r:
+            assert r["greedy"] == r["one_device"], case
+    prompts = [r for r in results if "tokens" in r]
+    assert len(prompts) == 18
+    assert sum(r["dispatched"] for r in prompts if r["capacity"] > 1) >= 10  # most fit their slots
+    assert not any(r["dispatched"] for r in prompts if r["capacity"] < 1)  # none fit one slot
+
+
+def test_dispatch_where_it_was_measured_faster():
+    """benchmarks/ep_dispatch.py on 4 virtual CPU devices: ep=4 from 32 tokens; not ep=2,
+    not a decode batch, and not on GPUs, where it was not measured."""
+    assert dispatches(4, 32, "cpu") and dispatches(8, 512, "cpu")
+    assert not dispatches(4, 16, "cpu") and not dispatches(2, 512, "cpu") and not dispatches(4, 512, "gpu")
 
 
 # ---- the option itself, in-process --------------------------------------------------

@@ -31,6 +31,16 @@ MOE_IMPLS = get_args(MoeImpl)
 # 512-token prefill in every format. The limits sit at the measured points.
 GATHER_MAX_PAIRS = {"float": 8, "quantized": 128}
 RAGGED_MAX_PAIRS = 128
+# When an ep mesh dispatches a MoE layer's tokens to their experts' ranks rather than
+# replicating them and adding the shares (experts_dispatched): from this many tokens a
+# batch, on this ep or more, per backend. Measured on 4 virtual CPU devices
+# (benchmarks/ep_dispatch.py, docs/scaling.md): at ep=4 dispatch took 0.95 of psum's time
+# at 32 tokens, 0.59-0.89 from 64 and 1.02-1.03 at 16; at ep=2, 1.00-1.06 at every size.
+# Not measured on GPUs, where its padded all_to_all sends several times psum's bytes: off.
+# DISPATCH_CAPACITY: the slots each pair of ranks keeps, as a multiple of an even split.
+DISPATCH_MIN_TOKENS = {"cpu": 32}
+DISPATCH_MIN_EP = 4
+DISPATCH_CAPACITY = 2.0
 
 
 def route(cfg: ModelConfig, router: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -191,13 +201,64 @@ def moe_ffn(cfg: ModelConfig, layer: dict, x: jax.Array, impl: str = "auto", mes
     # A tiered layer holds a pool of expert slots and an expert → slot table (-1: not on
     # the device, read as slot 0: a step that needed such an expert is thrown away).
     slots = jnp.maximum(layer["expert_slots"][ids], 0) if "expert_slots" in layer else ids
-    sharded = mesh is not None and mesh.shape[EP] > 1
+    ep = 1 if mesh is None else mesh.shape[EP]
+    sharded = ep > 1
+    if "expert_slots" not in layer and dispatches(ep, x.shape[0], jax.default_backend()):
+        return experts_dispatched(x, weights, ids, gate_up, down, impl), ids
     if sharded:
         weights, slots = local_experts(weights, slots, gate_up.shape[0])
     y = routed_experts(x, weights, slots, gate_up, down, impl, elsewhere=sharded)
     if mesh is not None and mesh.size > 1:
         y = jax.lax.psum(y, (EP, TP))
     return y, ids
+
+
+def dispatches(ep: int, tokens: int, backend: str) -> bool:
+    """Whether a batch of `tokens` on an ep mesh goes to its experts by dispatch
+    (DISPATCH_MIN_TOKENS) rather than replicate-and-psum."""
+    min_tokens = DISPATCH_MIN_TOKENS.get(backend)
+    return ep >= DISPATCH_MIN_EP and min_tokens is not None and tokens >= min_tokens
+
+
+def experts_dispatched(x, weights, ids, gate_up, down, impl: str = "auto"):
+    """Inside shard_map over a mesh with ep > 1: token dispatch instead of replicate and
+    psum. Each ep rank takes its 1/ep of the tokens and sends each token-expert pair to
+    the rank that holds the expert (all_to_all, DISPATCH_CAPACITY times the even share of
+    slots per pair of ranks), runs the pairs it receives, sends the results back, and
+    the ranks gather each other's tokens. Where any pair of ranks would overflow its
+    slots, every rank takes the replicate-and-psum path instead (a cond on a pmax), so no
+    pair is dropped and the answer does not depend on the routing's balance."""
+    ep, rank = jax.lax.axis_size(EP), jax.lax.axis_index(EP)
+    (t, k), d, n_local = ids.shape, x.shape[-1], gate_up.shape[0]
+    share = -(-t // ep)
+    pad = ((0, share * ep - t), (0, 0))
+
+    def mine(a):  # this rank's tokens (padding rows: weight 0, expert 0)
+        return jax.lax.dynamic_slice_in_dim(jnp.pad(a, pad), rank * share, share)
+
+    xs, ws, dest_ids = mine(x), mine(weights), mine(ids).reshape(-1)
+    dest = dest_ids // n_local
+    capacity = max(1, int(DISPATCH_CAPACITY * share * k / ep))
+    order = jnp.cumsum(dest[:, None] == jnp.arange(ep), axis=0)[jnp.arange(dest.size), dest] - 1
+    overflow = jax.lax.pmax(jnp.max(order) >= capacity, EP)
+    place = dest * capacity + order  # the pair's slot in [ep * capacity]
+
+    def dispatch():
+        rows = jnp.zeros((ep * capacity, d), x.dtype).at[place].set(xs[jnp.arange(dest.size) // k])
+        local = jnp.full((ep * capacity,), n_local, jnp.int32).at[place].set(dest_ids - dest * n_local)
+        rows = jax.lax.all_to_all(rows.reshape(ep, capacity, d), EP, 0, 0).reshape(-1, d)
+        local = jax.lax.all_to_all(local.reshape(ep, capacity), EP, 0, 0).reshape(-1, 1)
+        ys = routed_experts(rows, (local < n_local).astype(x.dtype), local, gate_up, down, impl, elsewhere=True)
+        ys = jax.lax.psum(ys, TP)  # the experts' width is split over tp
+        ys = jax.lax.all_to_all(ys.reshape(ep, capacity, d), EP, 0, 0).reshape(-1, d)
+        mine_out = jnp.einsum("tkd,tk->td", ys[place].reshape(share, k, d), ws.astype(ys.dtype))
+        return jax.lax.all_gather(mine_out, EP, axis=0, tiled=True)[:t]
+
+    def replicate():
+        local_w, local_ids = local_experts(weights, ids, n_local)
+        return jax.lax.psum(routed_experts(x, local_w, local_ids, gate_up, down, impl, elsewhere=True), (EP, TP))
+
+    return jax.lax.cond(overflow, replicate, dispatch)
 
 
 def dense_ffn(layer: dict, x: jax.Array, mesh: Mesh | None = None) -> jax.Array:
