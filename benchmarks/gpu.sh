@@ -10,6 +10,12 @@
 #
 # motet runs from the checkout (PYTHONPATH), without its native CPU kernels: on a GPU the
 # quantized products are XLA's, dequantizing inside the jitted step.
+#
+# On an H200 (2026-12-04) the parts took: the tests 96 s; the roofline with every path and
+# prefill about 3.5 minutes (--impls gather,ragged --prefill 0: about 1.5); the Engine more
+# than 2 minutes a format (its file is written there first, ~20 s). Each part has its own
+# limit (TESTS_S, ROOFLINE_S, BENCH_S) so one call ends inside the lease's 10 minutes;
+# with a machine's start the whole lease was 15 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/motet-gpu}"
