@@ -114,15 +114,15 @@ def _timed(call, steps: int) -> dict:
 
     t0 = time.perf_counter()
     try:
-        state = jax.block_until_ready(call(0))
+        jax.block_until_ready(call(0))
     except (jax.errors.JaxRuntimeError, ValueError, NotImplementedError) as error:  # say so, go on
         return {"error": str(error)[:300]}
     first = time.perf_counter() - t0
     t0 = time.perf_counter()
     for i in range(steps):
-        state = call(1 + i)
-    jax.block_until_ready(state)
-    return {"first_call_s": round(first, 1), "step_s": (time.perf_counter() - t0) / steps, "state": state}
+        out = call(1 + i)
+    jax.block_until_ready(out)
+    return {"first_call_s": round(first, 1), "step_s": (time.perf_counter() - t0) / steps}
 
 
 def _row(fmt, impl, work, cfg, made_s, timed) -> dict:
@@ -160,7 +160,6 @@ def measure(cfg, fmt: str, impls, rows_list, steps: int, bandwidth: float, prefi
 
             timed = _timed(step, steps)
             if "error" not in timed:
-                timed.pop("state")
                 read = step_bytes(cfg, weights, rows)
                 timed |= {"tok_s": round(rows / timed["step_s"], 1), "step_gb": round(read / 1e9, 3),
                           "roofline": round(read / timed["step_s"] / bandwidth, 3)}
@@ -174,7 +173,6 @@ def measure(cfg, fmt: str, impls, rows_list, steps: int, bandwidth: float, prefi
 
             timed = _timed(whole, max(2, steps // 5))
             if "error" not in timed:
-                timed.pop("state")
                 timed["tok_s"] = round(prefill_tokens / timed["step_s"], 1)
             out.append(_row(fmt, impl, f"prefill {prefill_tokens}", cfg, made_s, timed))
     return out
