@@ -8,6 +8,7 @@ across the processes, so reading a slot's KV is a gather)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -137,11 +138,16 @@ def one_device_answers(model, session) -> tuple[str, str]:
     return trio.run(run)
 
 
-@pytest.mark.parametrize(("arch", "mesh", "devices"), [("qwen3_moe", "ep=2,tp=2", 2), ("llama", "tp=2", 1)])
-def test_two_processes_serve_through_process_0_and_stop_cleanly(tmp_path, tiny_model, arch, mesh, devices):
+@pytest.mark.parametrize(("arch", "mesh", "devices", "expert_cap"),
+                         [("qwen3_moe", "ep=2,tp=2", 2, None), ("llama", "tp=2", 1, None),
+                          ("qwen3_moe", "ep=2,tp=2", 2, 4)], ids=["ep-tp", "tp", "tiered"])
+def test_two_processes_serve_through_process_0_and_stop_cleanly(tmp_path, tiny_model, arch, mesh, devices,
+                                                                expert_cap):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
            "SNAP": str(GOLDEN / arch), "SERVE": "1", "SERVE_BATCH": "1", "KV_SLOTS": "2",
            "CTX": str(CTX), "KVSAVE": "0"}
+    if expert_cap is not None:  # a pool of 4 of the 8 experts a layer, 2 on each process's devices
+        env |= {"EXPERT_CAP": str(expert_cap), "HEAT_FILE": str(tmp_path / "heat.json")}
     command = [sys.executable, "-m", "motet", "mux", "--compile-cache", str(REPO / ".jax_cache" / "dist"),
                "--mesh", mesh, "--coordinator", f"127.0.0.1:{free_port()}", "--num-processes", "2"]
     logs = [open(tmp_path / f"process{i}.stderr", "wb") for i in (0, 1)]
@@ -185,4 +191,8 @@ def test_two_processes_serve_through_process_0_and_stop_cleanly(tmp_path, tiny_m
     stderr = [(tmp_path / f"process{i}.stderr").read_text(errors="replace") for i in (0, 1)]
     assert codes == [0, 0], "\n\n".join(s[-3000:] for s in stderr)
     assert "process 0 stopped after" in stderr[1]  # process 1 followed to the end
+    if expert_cap is not None:  # both pools moved experts, alike, or the answers would differ
+        assert "experts tiered" in stderr[1], stderr[1][-3000:]
+        assert int(re.search(r"; (\d+) expert moves here\)", stderr[1])[1]) > 0
+        assert re.search(r"PLACE [1-9]", stderr[1]), "no placement reached process 1"
     assert (text_of(events, 1), text_of(events, 4)) == one_device_answers(tiny_model(arch), tmp_path / "one.session")

@@ -87,7 +87,7 @@ def test_values_it_does_not_carry(value, words):
 @pytest.mark.parametrize(("frame", "words"), [
     (b"", "ends early"),
     (b"\x02\x00L\x00\x00\x00\x00", "version 2"),
-    (b"\x01\x09L\x00\x00\x00\x00", "unknown op 9"),
+    (b"\x01\x63L\x00\x00\x00\x00", "unknown op 99"),
     (b"\x01\x00N", "args are a list"),
     (b"\x01\x00L\x00\x00\x00\x00!", "1 bytes past the end"),
     (b"\x01\x00L\x01\x00\x00\x00?", "unknown value tag"),

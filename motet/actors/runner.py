@@ -13,14 +13,14 @@ import jax
 import numpy as np
 
 from ..model.expert_pool import DEVICE, ExpertPool, ExpertReader, Placement
-from ..model.expert_source import ArrayExpertReader
+from ..model.expert_source import ArrayExpertReader, with_packed_experts
 from ..model.forward import empty_carry
 from ..model.generate import dispatch_decode, model_kv_sharding, padded_rows, prefill_slot, read_decode
 from ..model.kv import MIN_BUCKET, KVGeometry, batch_bucket, copy_slot, init_kv, read_slot_layer, write_slot_layer
 from ..model.logit_history import begin, empty_history, resample, sample_with_history, start_rows
 from ..model.model import Model
 from ..model.sampling import open_mask, request_key, sample
-from ..model.sharding import TP, MeshSpec, canonical_gate_up, mesh_of, model_mesh, place_weights
+from ..model.sharding import MeshSpec, mesh_of, model_mesh, place_weights
 from ..model.tiered import EXPERT_KEYS, shared_weight_bytes, shared_weights
 from ..model.tiered_model import TieredModel
 from ..protocol.mirror import Op, encode
@@ -34,7 +34,7 @@ MAX_MOVES_PER_PLACEMENT = 4
 
 
 # The records a mirror frame may carry (protocol/mirror.py).
-MIRROR_RECORDS = (SamplingRow,)
+MIRROR_RECORDS = (SamplingRow, ExpertPlan)
 
 
 @dataclass(frozen=True)
@@ -58,20 +58,17 @@ class ModelRunner:
         the weights and the KV over several devices (model/sharding.py) — weights loaded
         onto that mesh already stay where they are. mirror: on process 0 of a group
         (actors/device_group.py), where each device call goes as a frame first (START
-        now, with the geometry), for the other processes to repeat (actors/follower.py)."""
+        now, with the geometry and the experts' plan), for the other processes to repeat
+        (actors/follower.py): they move their pools' experts alike."""
         cfg = model.config
         tiered_plan = plan if plan is not None and plan.mode == "tiered" else None
         tiered = tiered_plan is not None
-        reader: ExpertReader | None = None
-        if tiered and (mirror is not None or jax.process_count() > 1):
-            # the pool's moves are computations on the mesh the other processes do not repeat
-            raise ValueError("tiered experts do not run in a group of processes yet: keep the experts "
-                             "resident (a budget that fits them all)")
-        if tiered:
-            experts = model.weights
-            if (placed_on := mesh_of(experts)) is not None:  # loaded resident onto a mesh: host copies
-                experts = _host_experts(experts, placed_on.shape[TP])
-            reader = model.expert_reader or ArrayExpertReader.from_weights(cfg, experts)
+        reader: ExpertReader | None = model.expert_reader
+        if tiered and reader is None:  # loaded with its experts: the pool reads them from there
+            if mesh_of(model.weights) is not None and jax.process_count() > 1:  # each has its shards only
+                raise ValueError("in a group of processes, a tiered model's experts are read from the "
+                                 "file: load it with its experts left there (lazy_experts)")
+            reader = ArrayExpertReader.from_weights(cfg, model.weights)
         if mesh is not None:
             device_mesh = model_mesh(mesh, cfg)
             placed = mesh_of(model.weights)
@@ -84,10 +81,14 @@ class ModelRunner:
                                  f"load them on one device or on the same mesh ({dict(device_mesh.shape)})")
         if tiered and mesh_of(model.weights) is not None:
             model = replace(model, weights=shared_model_weights(model.weights))  # the pool holds them
-        self.model = model
         self.geo = geo
         self.mirror = mirror
-        self._mirror(Op.START, geo.n_slots, geo.max_context, geo.chunk, fingerprint(model))
+        self._mirror(Op.START, geo.n_slots, geo.max_context, geo.chunk, fingerprint(model), plan, rank, prefetch)
+        if model.expert_reader is not None and not tiered:
+            # loaded lazily, and the plan keeps them resident: read in after START, as the
+            # followers do (placing them on a mesh of several processes takes every process)
+            model = with_packed_experts(model)
+        self.model = model
         dtype = model.weights["lm_head"].dtype
         self.kv = init_kv(cfg, geo, model.kv_dtype, model_kv_sharding(model))
         # per slot, what its last decode step sampled, and what its request has seen
@@ -299,7 +300,34 @@ class ModelRunner:
     def apply_placement(self, placement: Placement) -> None:
         """The ExpertCache's latest wish, between steps (nothing to do when resident)."""
         if self.pool is not None:
+            self._mirror(Op.PLACE, [sorted(pins) for pins in placement.pinned],
+                         [sorted(warm) for warm in placement.warm], np.asarray(placement.rank, np.float64))
             self.pool.apply(placement, MAX_MOVES_PER_PLACEMENT)
+
+    def warm_pool_prefill(self, size: int, offset: int, row: SamplingRow) -> None:
+        """Warm-up, tiered: a prefill of `size` padding tokens over the pool on the scratch
+        slot, and its first token sampled with `row`."""
+        assert self.tiered is not None
+        self._mirror(Op.WARM_PREFILL, size, offset, row)
+        logits, self.kv = self.tiered.warm_prefill(self.kv, self.geo, size, offset)
+        self.sample_logits(logits[None], [row], np.zeros((1, 0, 0), np.int32), [self.geo.scratch_slot])
+
+    def warm_pool_decode(self, size: int, position: int, rows: list[SamplingRow]) -> None:
+        """Warm-up, tiered: a decode step of `size` padding rows over the pool on the
+        scratch slot, sampled once with each of `rows` (tiered rows sample in calls of
+        their own)."""
+        assert self.tiered is not None
+        self._mirror(Op.WARM_DECODE, size, position, rows)
+        logits, self.kv = self.tiered.warm_decode(self.kv, self.geo, size, position)
+        for row in rows:
+            self.sample_logits(logits, [row] * size, np.zeros((size, 0, 0), np.int32),
+                               [self.geo.scratch_slot] * size, [0] * size)
+
+    def warm_move(self, size: int) -> None:
+        """Warm-up, tiered: a pool move of `size` experts compiled and run (nothing moves)."""
+        assert self.pool is not None
+        self._mirror(Op.WARM_MOVE, size)
+        self.pool.warm_move(size)
 
     def take_expert_step(self) -> ExpertStep:
         """The expert traffic since the last take (a step, with any placement before it)."""
@@ -359,12 +387,3 @@ def _gpus(experts: int) -> tuple[tuple[float, float, int], ...]:
         out.append((stats.get("bytes_in_use", 0) / 1e9, stats.get("bytes_limit", 0) / 1e9,
                     experts if i == 0 else 0))
     return tuple(out)
-
-
-def _host_experts(weights: dict, tp: int) -> dict:
-    """The experts of weights placed on a mesh, as host arrays in the file's layout (the
-    pool puts each one in its mesh's layout as it reads it)."""
-    def host(key, leaf):
-        return canonical_gate_up(np.asarray(leaf), tp) if key == "experts_gate_up" else np.asarray(leaf)
-
-    return {"layers": [{k: host(k, v) for k, v in layer.items() if k in EXPERT_KEYS} for layer in weights["layers"]]}

@@ -18,8 +18,6 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from ..model.attention import ATTN_BLOCK
 from ..model.compilation import CompileCount, CompileCounter, compile_workers, compiling_ahead, use_compile_cache
 from ..model.expert_pool import move_sizes
@@ -199,8 +197,7 @@ def _warm_shape(runner: ModelRunner, shape: WarmShape) -> None:
         if runner.tiered is None:
             runner.prefill(scratch, [0] * tokens, offset, FILLER_ROW)
         else:
-            logits, runner.kv = runner.tiered.warm_prefill(runner.kv, geo, n, offset)
-            runner.sample_logits(logits[None], [FILLER_ROW], np.zeros((1, 0, 0), np.int32), [scratch])
+            runner.warm_pool_prefill(n, offset, FILLER_ROW)
     elif shape.kind == DECODE:
         # sampled, with top-p, top candidates and penalties: every branch of the sampler runs
         position = min(ATTN_BLOCK, geo.max_context - 1)
@@ -208,14 +205,11 @@ def _warm_shape(runner: ModelRunner, shape: WarmShape) -> None:
         if runner.tiered is None:
             runner.decode([0] * n, [scratch] * n, [position] * n, [constrained] * n)
         else:
-            logits, runner.kv = runner.tiered.warm_decode(runner.kv, geo, n, position)
-            for row in (WARM_ROW, constrained):  # tiered rows sample in calls of their own
-                runner.sample_logits(logits, [row] * n, np.zeros((n, 0, 0), np.int32), [scratch] * n, [0] * n)
+            runner.warm_pool_decode(n, position, [WARM_ROW, constrained])
     elif shape.kind == SLOT_WIDTH:
         pairs = runner.read_layers(scratch, 0, 1, n)
         runner.write_layers(scratch, 0, pairs)
     elif shape.kind == EXPERT_MOVE:
-        assert runner.pool is not None  # a plan has expert moves only for a tiered pool
-        runner.pool.warm_move(n)
+        runner.warm_move(n)  # a plan has expert moves only for a tiered pool
     else:
         raise ValueError(f"no warm-up for {shape}")

@@ -21,7 +21,7 @@ def open_model(settings: ModelSettings, lazy_experts: bool = False):
 
     log.info("loading %s", settings.path or "the default model (SmolLM2-135M-Instruct)")
     return load_model(settings.path, dtype=settings.dtype, max_context=settings.max_context,
-                      lazy_experts=lazy_experts and settings.mesh is None, mesh=settings.mesh,
+                      lazy_experts=lazy_experts, mesh=settings.mesh,
                       kv_dtype=settings.kv_dtype)
 
 
@@ -121,7 +121,7 @@ def cmd_mux(config: Config, mirror=None) -> int:
 
     try:
         loaded = load_model(settings.path, dtype=settings.dtype, mesh=settings.mesh, kv_dtype=settings.kv_dtype,
-                            lazy_experts=mux.experts.mode != "resident" and settings.mesh is None)
+                            lazy_experts=mux.experts.mode != "resident")
     except (ModelError, OSError, MemoryError) as exc:
         # An extension servers may read instead of READY; the reason also goes to stderr.
         kind = ("nomem" if isinstance(exc, MemoryError)
@@ -205,15 +205,16 @@ def in_group(command):
         with join_group(config.group, config.model.mesh) as group:
             if group.leader:
                 return command(config, group.send)
-            return follow_leader(config.model, group)
+            return follow_leader(config.model, config.experts.mode != "resident", group)
 
     return run
 
 
-def follow_leader(model: ModelSettings, group) -> int:
-    """A process > 0 of a group: the model loaded as process 0 loads it, then process 0's
-    device calls, repeated until it stops."""
+def follow_leader(model: ModelSettings, lazy_experts: bool, group) -> int:
+    """A process > 0 of a group: the model loaded as process 0 loads it (its experts left
+    in the file until process 0's plan says where they go), then process 0's device
+    calls, repeated until it stops."""
     from ..actors.follower import follow
 
-    follow(open_model(model), group.receive)
+    follow(open_model(model, lazy_experts), group.receive)
     return 0

@@ -214,7 +214,7 @@ class Engine(Service, Collected):
         started = time.monotonic()
         log.info("loading %s", self._model_arg or "the default model")
         # Unless forced resident, the experts stay in the file until the plan is known.
-        lazy = self.expert_settings.mode != "resident" and self.mesh is None
+        lazy = self.expert_settings.mode != "resident"
         model = load_model(self._model_arg, dtype=self.dtype, lazy_experts=lazy, mesh=self.mesh,
                            kv_dtype=self.kv_dtype)
         log.info("model ready in %.1f s", time.monotonic() - started)
@@ -223,7 +223,7 @@ class Engine(Service, Collected):
     def _plan_experts(self) -> tuple[ExpertPlan, ExpertPolicy | None]:
         """Resident or tiered, and the policy that keeps the heat (None for a dense
         model). A budget too small for the model raises ValueError here."""
-        self.model, self.expert_plan, self.heat_file, policy = plan_engine_experts(
+        self.expert_plan, self.heat_file, policy = plan_engine_experts(
             self._loaded(), self.expert_settings)
         return self.expert_plan, policy
 

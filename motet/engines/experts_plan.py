@@ -8,7 +8,7 @@ import logging
 
 from ..actors.expert_cache import ExpertCache, HeatFile
 from ..actors.expert_policy import ExpertPlan, ExpertPolicy, PolicySettings, default_heat_path, plan_experts
-from ..model.expert_source import expert_bytes, with_packed_experts
+from ..model.expert_source import expert_bytes
 from ..model.model import Model
 from ..model.tiered import shared_weight_bytes
 from ..runtime.config import ExpertSettings
@@ -17,16 +17,14 @@ log = logging.getLogger("motet.engines.engine")
 
 
 def plan_engine_experts(model: Model, settings: ExpertSettings
-                        ) -> tuple[Model, ExpertPlan, HeatFile | None, ExpertPolicy | None]:
-    """(the model, its experts packed when they stay resident; the plan; the heat file;
-    the policy, None for a dense model). A budget too small for the model raises
-    ValueError."""
+                        ) -> tuple[ExpertPlan, HeatFile | None, ExpertPolicy | None]:
+    """(the plan; the heat file; the policy, None for a dense model). A lazily loaded
+    model's experts stay in the file: the runner reads them in when the plan keeps them
+    resident. A budget too small for the model raises ValueError."""
     cfg = model.config
     plan = plan_experts(cfg, settings, expert_bytes(model), shared_weight_bytes(model.weights))
     if not cfg.is_moe:
-        return model, plan, None, None
-    if plan.mode == "resident" and not model.experts_packed:
-        model = with_packed_experts(model)
+        return plan, None, None
     log.info("experts %s: %d of %d per layer on the device%s", plan.mode, plan.pool_slots, plan.experts,
              "" if plan.ram_capacity is None else f", at most {plan.ram_capacity} in RAM")
     path, heat_file = settings.heat_file, None
@@ -38,4 +36,4 @@ def plan_engine_experts(model: Model, settings: ExpertSettings
     heat = ExpertCache.read_heat(heat_file, (plan.layers, plan.experts))
     policy = ExpertPolicy(plan.layers, plan.experts, plan.pool_slots, cfg.n_experts_per_tok, plan.ram_capacity,
                           PolicySettings(kind=settings.policy, prefetch=settings.prefetch), heat)
-    return model, plan, heat_file, policy
+    return plan, heat_file, policy

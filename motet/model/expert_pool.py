@@ -227,7 +227,8 @@ class ExpertPool:
 
     def apply(self, placement: Placement, max_moves: int | None = None) -> None:
         """Pin and warm as the policy asks (at most max_moves loads per layer, so one
-        placement never stalls a step for long)."""
+        placement never stalls a step for long). Ties in rank go to the lower expert, so
+        the processes of a group, each given the placement's sets, move alike."""
         self.rank = np.asarray(placement.rank, np.float64)
         self.pinned = list(placement.pinned)
         for r in range(self.R):
@@ -238,7 +239,7 @@ class ExpertPool:
                 self._load(r, self._pair(r, missing, lambda e: e not in keep, this_step=False))
             warm = np.fromiter(placement.warm[r], np.int64, len(placement.warm[r]))
             off_device = [int(e) for e in warm[self.lut[r, warm] < 0] if (r, int(e)) not in self.ram]
-            for e in sorted(off_device, key=lambda e: -self.rank[r, e])[:max_moves]:
+            for e in sorted(off_device, key=lambda e: (-self.rank[r, e], e))[:max_moves]:
                 if not self._ram_room(r, e):
                     break
                 self.ram[(r, e)] = self._read(r, e)
@@ -273,7 +274,7 @@ class ExpertPool:
         cap = -(-len(pinned) // self.groups) if self.groups > 1 else self.C
         taken = [0] * self.groups
         want = []
-        for e in sorted(pinned, key=lambda e: -self.rank[r, e])[: self.C]:
+        for e in sorted(pinned, key=lambda e: (-self.rank[r, e], e))[: self.C]:
             if taken[self.owner(e)] < cap:
                 taken[self.owner(e)] += 1
                 want.append(e)

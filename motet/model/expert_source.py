@@ -17,6 +17,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .quant import QTensor, host_index, stack, stack_rows
+from .sharding import TP, canonical_gate_up, mesh_of, place_leaf
 
 
 def moe_layer_indices(cfg: ModelConfig) -> list[int]:
@@ -60,8 +61,13 @@ class ArrayExpertReader:
 
     @classmethod
     def from_weights(cls, cfg: ModelConfig, weights: dict) -> ArrayExpertReader:
+        """Weights placed on a mesh (of one process) are read back in the file's layout
+        (the pool puts each expert in its mesh's layout as it reads it)."""
         layers = [weights["layers"][i] for i in moe_layer_indices(cfg)]
-        return cls([x["experts_gate_up"] for x in layers], [x["experts_down"] for x in layers])
+        gate_up = [x["experts_gate_up"] for x in layers]
+        if (mesh := mesh_of(weights)) is not None:
+            gate_up = [canonical_gate_up(np.asarray(leaf), mesh.shape[TP]) for leaf in gate_up]
+        return cls(gate_up, [x["experts_down"] for x in layers])
 
     def read(self, r: int, e: int):
         if r not in self._host:  # a JAX array's host view once per layer, not per read
@@ -92,15 +98,20 @@ def expert_bytes(model) -> int:
 
 def with_packed_experts(model):
     """The model with every expert packed into its weights (resident), read one by one
-    through its expert_reader: for a model loaded lazily whose experts turn out to fit."""
+    through its expert_reader: for a model loaded lazily whose experts turn out to fit.
+    On a mesh (the shared weights placed there), each stack goes into its shards."""
     cfg, reader = model.config, model.expert_reader
     dtype = model.weights["lm_head"].dtype
+    mesh = mesh_of(model.weights)
     layers = [dict(layer) for layer in model.weights["layers"]]
     for r, i in enumerate(moe_layer_indices(cfg)):
         experts = [reader.read(r, e) for e in range(cfg.n_experts)]
         for key, which in (("experts_gate_up", 0), ("experts_down", 1)):
             stacked = stack([x[which] for x in experts])
-            layers[i][key] = (jax.device_put(stacked) if isinstance(stacked, QTensor)
-                              else jnp.asarray(stacked, dtype))
+            if mesh is not None:
+                layers[i][key] = place_leaf(cfg, mesh, key, stacked, dtype)
+            else:
+                layers[i][key] = (jax.device_put(stacked) if isinstance(stacked, QTensor)
+                                  else jnp.asarray(stacked, dtype))
         del experts
     return replace(model, weights={**model.weights, "layers": layers}, expert_reader=None)

@@ -180,16 +180,19 @@ def _slot_count(pool) -> int:
 def take_experts(pool_gate_up, pool_down, slots, *, mesh: Mesh | None = None):
     """Copies of the experts in pool slots [n] (an eviction back to host RAM), sliced
     one by one: a gather would copy the whole pool first on XLA:CPU. mesh: each device
-    copies the slots of its own range (zeros for the others), a psum over ep adds them."""
+    copies the slots of its own range (zeros for the others), a psum over ep adds them
+    and the tp shards are gathered, so every device (every process of a group, which
+    can read only its own) holds the whole copies."""
     if mesh is None:
         return _take(pool_gate_up, pool_down, slots)
 
     def body(pool_gate_up, pool_down, slots):
         local = slots - jax.lax.axis_index(EP) * pool_gate_up.shape[0]
-        return tuple(jax.lax.psum(a, EP) for a in _take(pool_gate_up, pool_down, local))
+        gate_up, down = (jax.lax.psum(a, EP) for a in _take(pool_gate_up, pool_down, local))
+        return (jax.lax.all_gather(gate_up, TP, axis=2, tiled=True),
+                jax.lax.all_gather(down, TP, axis=1, tiled=True))
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(*POOL_SPECS, P()),
-                         out_specs=(P(None, None, TP), P(None, TP, None)), check_vma=False)(
+    return jax.shard_map(body, mesh=mesh, in_specs=(*POOL_SPECS, P()), out_specs=(P(), P()), check_vma=False)(
         pool_gate_up, pool_down, slots)
 
 

@@ -45,7 +45,9 @@ DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
 
 class Op(IntEnum):
     """What the followers do with a frame. START builds the runner (its args: slots,
-    context, chunk, the model's fingerprint); the others are the runner's device calls."""
+    context, chunk, the model's fingerprint, the experts' plan, their start-up heat, and
+    whether the pool prefetches); the others are the runner's device calls, PLACE a
+    tiered pool's placement (its moves are device calls)."""
 
     STOP = 0
     START = 1
@@ -55,6 +57,10 @@ class Op(IntEnum):
     READ_LAYERS = 5
     WRITE_LAYERS = 6
     COPY_SLOT = 7
+    PLACE = 8
+    WARM_PREFILL = 9
+    WARM_DECODE = 10
+    WARM_MOVE = 11
 
 
 class MirrorError(ValueError):
