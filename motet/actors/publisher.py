@@ -32,7 +32,7 @@ class Publisher:
         if self.experts is not None and counts.size:
             self.experts.observe_nowait(counts)
         if self.subscribers:
-            self._publish(StepRouting(tuple(tuple(int(c) for c in row) for row in counts), tokens,
+            self._publish(StepRouting(tuple(map(tuple, counts.tolist())), tokens,  # ints, not one by one
                                       step.lookups, step.hits, step.moves, step.tiers))
 
     def turn_ended(self, telemetry: Telemetry) -> None:
