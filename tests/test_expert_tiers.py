@@ -333,3 +333,26 @@ def test_bfloat16_pools_stay_close_to_resident_bfloat16(lazy_model):
     assert pool.pools[0][0].dtype == jnp.bfloat16 and pool.stats.lookups > pool.stats.hits
     want, got = np.asarray(want, np.float32), np.asarray(got, np.float32)
     assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+
+
+def test_a_placement_moves_pools_alike_however_its_sets_iterate():
+    """A group's followers rebuild each placement's sets from lists (actors/follower.py),
+    and a set of experts can iterate in another order than process 0's: with ties in
+    heat, both pools must still pin and warm the same experts into the same slots."""
+    experts = 64  # ids past a small set's table collide, so insertion order shows
+    rng = np.random.default_rng(0)
+    reader = ArrayExpertReader([rng.standard_normal((experts, 8, 8)).astype(np.float32)],
+                               [rng.standard_normal((experts, 4, 8)).astype(np.float32)])
+    tied = np.zeros((1, experts))
+    pools = []
+    for order in ([33, 1, 41, 9, 17], [9, 41, 1, 33, 17]):
+        assert list(frozenset(order)) != sorted(order)  # iteration order is not by value
+        pool = ExpertPool(reader, 1, experts, 4, ram_capacity=2)
+        pool.fill(tied, warm_ram=False)
+        pool.begin_step()  # the start-up's slots are no longer this step's
+        pool.apply(Placement((frozenset(order),), (frozenset(reversed(order)),), tied), max_moves=4)
+        pools.append(pool)
+    first, second = pools
+    assert first.occupant.tolist() == second.occupant.tolist()
+    assert sorted(first.ram) == sorted(second.ram)
+    assert sorted(int(e) for e in first.occupant[0]) == [1, 9, 17, 33]  # the lowest of the tied pins
