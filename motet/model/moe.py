@@ -34,8 +34,9 @@ RAGGED_MAX_PAIRS = 128
 # When an ep mesh dispatches a MoE layer's tokens to their experts' ranks rather than
 # replicating them and adding the shares (experts_dispatched): from this many tokens a
 # batch, on this ep or more, per backend. Measured on 4 virtual CPU devices
-# (benchmarks/ep_dispatch.py, docs/scaling.md): at ep=4 dispatch took 0.95 of psum's time
-# at 32 tokens, 0.59-0.89 from 64 and 1.02-1.03 at 16; at ep=2, 1.00-1.06 at every size.
+# (benchmarks/ep_dispatch.py, docs/scaling.md, three runs): at ep=4 dispatch took
+# 1.00-1.03 of psum's time at 16 tokens, 0.93-0.95 at 32 and 0.60-0.89 from 64; at ep=2
+# 0.79-1.13, no consistent gain.
 # Not measured on GPUs, where its padded all_to_all sends several times psum's bytes: off.
 # DISPATCH_CAPACITY: the slots each pair of ranks keeps, as a multiple of an even split.
 DISPATCH_MIN_TOKENS = {"cpu": 32}
