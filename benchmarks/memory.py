@@ -1,6 +1,6 @@
 """Where an engine's memory goes: resident set size after loading the default model, once
 the Engine is ready, and after one request, with and without the warm-up, each start in
-a fresh process, side by side in one run.
+a fresh process (malloc set as the motet command sets it), side by side in one run.
 
     .venv/bin/python benchmarks/memory.py [--kv-slots 16] [--max-context 1024] [--dtype auto] [--kv-dtype auto]
 
@@ -20,9 +20,14 @@ STAGES = ("loaded", "ready", "after_request")
 
 
 def child(args) -> None:
+    import os
+
     import psutil
     import trio
 
+    from motet.runtime.allocator import tune_malloc
+
+    tune_malloc(os.environ)  # as the motet command sets its process, before JAX's threads
     from motet.engines.engine import Engine
     from motet.model import load_model
 

@@ -10,16 +10,17 @@ d=512) quantized by llama.cpp itself to Q4_K_M and to Q8_0.
 
 llama.cpp runs through llama-cpp-python's low-level API (a benchmark-only dependency,
 not one of motet's) in a child process, so a build that crashes on this CPU is reported
-rather than taking the run down; motet runs in this process through its Engine.
+rather than taking the run down; motet's Engine runs in a child process of its own.
 
 What is measured per file (best of --repeats timed runs, after an untimed run of every
 scenario):
-  peak RSS  each engine's process at its peak (motet: this process, with the Engine's KV
-            cache; llama.cpp: its child process, with its own). Both caches hold float16 (each
-            engine's default for a quantized file) and the same positions a stream: llama.cpp's
-            cells per sequence are motet's max_context. --kv 8-bit gives both 8-bit caches:
-            motet's int8 (a float32 scale per position and KV head) and llama.cpp's q8_0 (a
-            float16 scale per 32 values; its quantized V cache needs flash attention, on).
+  peak RSS  each engine's process at its peak, with its own KV cache (motet's with malloc
+            set as the motet command sets it: runtime/allocator.py). Both caches hold
+            float16 (each engine's default for a quantized file) and the same positions a
+            stream: llama.cpp's cells per sequence are motet's max_context. --kv 8-bit gives
+            both 8-bit caches: motet's int8 (a float32 scale per position and KV head) and
+            llama.cpp's q8_0 (a float16 scale per 32 values; its quantized V cache needs
+            flash attention, on).
   single    greedy decode tokens/s after a short chat prompt: (generated - 1) / (time
             from the first token to the last), prefill excluded.
   streams   16 concurrent 256-token prompts, 128 greedy tokens each: tokens generated
@@ -336,6 +337,11 @@ def child(which: str) -> int:
     if which == "llama.cpp":
         result = {"runs": llama_cpp_runs(job), "peak_rss_mb": peak_rss_mb()}
     else:
+        import os
+
+        from motet.runtime.allocator import tune_malloc
+
+        tune_malloc(os.environ)  # as the motet command sets its process
         result = motet_child_runs(job)
     real_stdout.write(json.dumps(result))
     return 0

@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 
+from ..runtime.allocator import tune_malloc
 from .commands import (
     cmd_chat,
     cmd_info,
@@ -26,6 +27,7 @@ COMMANDS = {"chat": cmd_chat, "info": cmd_info, "mux": in_group(cmd_mux), "serve
 
 
 def main(argv: list[str] | None = None) -> int:
+    tune_malloc(os.environ)  # before JAX starts a thread (runtime/allocator.py)
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "quantize", None):  # one weight format passed down: --dtype's
