@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ..runtime.kv_format import KV_DTYPE_CHOICES, SCALED_KV, kv_row_bytes
 from . import kv_quant
 from .attention import ATTN_BLOCK
 from .config import ModelConfig
+from .kv_writes import cache_zeros
 
 MIN_BUCKET = 16
 
@@ -111,10 +111,12 @@ def init_kv(cfg: ModelConfig, geo: KVGeometry, dtype: str = "float32", sharding=
     k_shape = (slots, cfg.n_kv_heads, cfg.head_dim, geo.length)
     v_shape = (slots, cfg.n_kv_heads, geo.length, cfg.head_dim)
 
+    fill = partial(cache_zeros, sharding=sharding)
+
     def layer(shape):
         if dtype in SCALED_KV:
-            return kv_quant.zeros(dtype, shape, (slots, cfg.n_kv_heads, geo.length), sharding)
-        return jnp.zeros(shape, dtype, device=sharding)
+            return kv_quant.zeros(dtype, shape, (slots, cfg.n_kv_heads, geo.length), fill)
+        return fill(shape, dtype)
 
     return [layer(k_shape) for _ in range(cfg.n_layers)], [layer(v_shape) for _ in range(cfg.n_layers)]
 

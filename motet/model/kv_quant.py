@@ -53,9 +53,9 @@ def quantized(cache) -> bool:
     return isinstance(cache, QuantizedCache)
 
 
-def zeros(kind: str, shape: tuple[int, ...], scale_shape: tuple[int, ...], sharding=None) -> QuantizedCache:
-    return QuantizedCache(jnp.zeros(shape, _SCALED[kind][0], device=sharding),
-                          jnp.zeros(scale_shape, F32, device=sharding))
+def zeros(kind: str, shape: tuple[int, ...], scale_shape: tuple[int, ...], fill) -> QuantizedCache:
+    """A zeroed cache of `kind`; fill(shape, dtype) makes each of its arrays."""
+    return QuantizedCache(fill(shape, _SCALED[kind][0]), fill(scale_shape, F32))
 
 
 def quantize(x: jax.Array, kind: str, axis: int) -> tuple[jax.Array, jax.Array]:

@@ -8,6 +8,9 @@ a chunk size) held twice the memory (benchmarks/kv_writes.py). An 8-bit cache's 
 (kv_quant.py) quantizes the rows as it stores them, natively or in XLA, to the same
 bytes. Caches spread over several devices (a mesh) take XLA's form, which its
 partitioner splits.
+
+A new cache's zeros are native too (cache_zeros): its pages then count in the process's
+resident set only once a conversation writes them.
 """
 
 from __future__ import annotations
@@ -20,6 +23,21 @@ import jax.numpy as jnp
 from . import kv_quant, native
 
 _CACHE_TYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
+
+
+def cache_zeros(shape: tuple[int, ...], dtype, sharding=None) -> jax.Array:
+    """A zeroed cache array (values or scales). On the CPU the native call makes it
+    (kernels/kv_write.cc), handing its whole pages back to the system: they read as
+    zeros, and count in the resident set once written, so slots and positions no
+    conversation reached cost no memory. Elsewhere, and spread over a mesh, XLA's."""
+    if sharding is None and native.available() and jax.default_backend() == "cpu":
+        return _untouched_zeros(tuple(shape), jnp.dtype(dtype))
+    return jnp.zeros(shape, dtype, device=sharding)
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def _untouched_zeros(shape, dtype):
+    return jax.ffi.ffi_call(native.KV_ZEROS, jax.ShapeDtypeStruct(shape, dtype))()
 
 
 def write_chunk(k_cache, v_cache, new_k, new_v, slot, offset):

@@ -1,5 +1,6 @@
 """The native CPU kernels (kernels/*.cc: quantized products, decode and prefill
-attention, a MoE layer's experts, norms, a QKV projection made heads, KV cache writes): found beside
+attention, a MoE layer's experts, norms, a QKV projection made heads, KV cache writes and
+zeros): found beside
 this module, where the install built them, and registered with XLA once.
 
 The install builds them with the machine's C++ compiler (setup.py); where it could
@@ -27,6 +28,7 @@ RMS_NORM = "motet_rms_norm"  # a root-mean-square norm, after a residual add or 
 QKV_HEADS = "motet_qkv_heads"  # a QKV projection as heads: split, q and k normed, turned
 KV_WRITE = "motet_kv_write"  # a step's new K and V rows into every layer's cache, in place
 KV_WRITE_SCALED = "motet_kv_write_scaled"  # the same into 8-bit caches (kv_quant.py), quantized
+KV_ZEROS = "motet_kv_zeros"  # zeroed caches whose pages are touched only when written
 LIBRARY = "_qmatmul"
 
 
@@ -63,6 +65,7 @@ def _library() -> ctypes.CDLL | None:
     jax.ffi.register_ffi_target(QKV_HEADS, jax.ffi.pycapsule(lib.MotetQkvHeads), platform="cpu")
     jax.ffi.register_ffi_target(KV_WRITE, jax.ffi.pycapsule(lib.MotetKvWrite), platform="cpu")
     jax.ffi.register_ffi_target(KV_WRITE_SCALED, jax.ffi.pycapsule(lib.MotetKvWriteScaled), platform="cpu")
+    jax.ffi.register_ffi_target(KV_ZEROS, jax.ffi.pycapsule(lib.MotetKvZeros), platform="cpu")
     return lib
 
 
