@@ -169,3 +169,42 @@ def test_a_new_caches_pages_count_once_written():
     assert out["sum"] == 4.0
     assert out["made_mb"] < 64  # XLA's zeros: all 512 MB at once
     assert 24 < out["written_mb"] < 128  # one slot of 16 (32 MB) written, in place
+
+
+# ---- a prefix copied between slots (kv_writes.copy_positions) ------------------------------
+
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("positions", [0, 7, CAPACITY, CAPACITY + 5])
+def test_a_prefix_copy_takes_its_positions_and_leaves_the_rest(scaled, positions):
+    """Slot 1's first `positions` positions over slot 3's in every layer, K (positions
+    last), V (positions before the head dimension) and an 8-bit cache's scales; slot 3's
+    later positions and every other slot as they were."""
+    k, v = caches(jnp.float16, seed=5)
+    if scaled:
+        rng = np.random.default_rng(6)
+        k = [kv_quant.QuantizedCache(a.astype(np.int8), rng.standard_normal((SLOTS, HEADS, CAPACITY), np.float32))
+             for a in k]
+        v = [kv_quant.QuantizedCache(a.astype(np.int8), rng.standard_normal((SLOTS, HEADS, CAPACITY), np.float32))
+             for a in v]
+
+    def arrays(layers):  # (array, its positions' axis): values, then an 8-bit cache's scales
+        if not scaled:
+            return [np.asarray(a) for a in layers]
+        return [np.asarray(a) for layer in layers for a in (layer.values, layer.scales)]
+
+    def device(layers):
+        if scaled:
+            return [kv_quant.QuantizedCache(jnp.asarray(a.values), jnp.asarray(a.scales)) for a in layers]
+        return [jnp.asarray(a) for a in layers]
+
+    before = arrays(k) + arrays(v)
+    new_k, new_v = kv_writes.copy_positions(device(k), device(v), 1, 3, positions)
+    n = min(positions, CAPACITY)
+    for i, (old, new) in enumerate(zip(before, arrays(new_k) + arrays(new_v))):
+        is_k = i < len(before) // 2
+        axis = 2 if old.ndim == 3 or not is_k else 3  # K [s, h, d, positions], V [s, h, positions, d]
+        expected = old.copy()
+        window = [slice(None)] * old.ndim
+        window[axis] = slice(0, n)
+        expected[(3, *window[1:])] = old[(1, *window[1:])]
+        np.testing.assert_array_equal(new, expected)

@@ -94,7 +94,7 @@ class PrefixCache:
         if max(shared, restorable) - own < self.runner.copy_min_tokens:
             return own
         if source is not None and shared >= restorable:
-            await self._on_device(self.runner.copy_prefix, source, slot)
+            await self._on_device(self.runner.copy_prefix, source, slot, shared)
         else:
             assert stored is not None  # restorable > shared >= 0
             shared = restorable

@@ -16,7 +16,15 @@ from ..model.expert_pool import DEVICE, ExpertPool, ExpertReader, Placement
 from ..model.expert_source import ArrayExpertReader, with_packed_experts
 from ..model.forward import empty_carry
 from ..model.generate import dispatch_decode, model_kv_sharding, padded_rows, prefill_slot, read_decode
-from ..model.kv import MIN_BUCKET, KVGeometry, batch_bucket, copy_slot, init_kv, read_slot_layer, write_slot_layer
+from ..model.kv import (
+    MIN_BUCKET,
+    KVGeometry,
+    batch_bucket,
+    copy_slot_prefix,
+    init_kv,
+    read_slot_layer,
+    write_slot_layer,
+)
 from ..model.logit_history import begin, empty_history, resample, sample_with_history, start_rows
 from ..model.model import Model
 from ..model.sampling import open_mask, request_key, sample
@@ -145,7 +153,7 @@ class ModelRunner:
                 self.history = begin(self.history, np.int32(start), seen, bias)
         logits, experts = self._extend(slot, ids, offset)
         for fork_slot, _ in forks:
-            self._copy(slot, fork_slot)
+            self._copy(slot, fork_slot, offset + len(ids))
         # the prompt's routing counts toward the first token: [layers, k·len(ids)]
         layers, tokens, k = experts.shape
         routing = experts.reshape(1, layers, tokens * k)
@@ -154,14 +162,15 @@ class ModelRunner:
             sampled += self.sample_logits(logits[None], [fork_row], routing[:, :, :0], [fork_slot])
         return sampled
 
-    def copy_prefix(self, source: int, target: int) -> None:
-        """Slot `source`'s KV over slot `target`'s: a prompt's prefix that another slot
-        holds (the target's positions past it are its own prefill's to write)."""
-        self._mirror(Op.COPY_SLOT, source, target)
-        self._copy(source, target)
+    def copy_prefix(self, source: int, target: int, positions: int) -> None:
+        """Slot `source`'s first `positions` positions of KV over slot `target`'s: a
+        prompt's prefix that another slot holds (the target's positions past it are its
+        own prefill's to write)."""
+        self._mirror(Op.COPY_SLOT, source, target, positions)
+        self._copy(source, target, positions)
 
-    def _copy(self, source: int, target: int) -> None:
-        self.kv = copy_slot(self.kv, np.int32(source), np.int32(target))
+    def _copy(self, source: int, target: int, positions: int) -> None:
+        self.kv = copy_slot_prefix(self.kv, source, target, positions)
 
     def extend(self, slot: int, ids: list[int], offset: int):
         """Run a chunk into the cache: (logits after its last token, routing [layers, t, k])."""

@@ -157,7 +157,7 @@ def copy_threshold(runner: ModelRunner, prefill_s: dict[int, float]) -> int:
     scratch, copies = runner.geo.scratch_slot, []
     for _ in range(3):
         started = time.perf_counter()
-        runner.copy_prefix(scratch, scratch)
+        runner.copy_prefix(scratch, scratch, runner.geo.max_context)
         runner.wait_ready()
         copies.append(time.perf_counter() - started)
     copy_s, below, threshold = min(copies), 0, 0

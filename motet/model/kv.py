@@ -17,10 +17,9 @@ import jax
 import numpy as np
 
 from ..runtime.kv_format import KV_DTYPE_CHOICES, SCALED_KV, kv_row_bytes
-from . import kv_quant
+from . import kv_quant, kv_writes
 from .attention import ATTN_BLOCK
 from .config import ModelConfig
-from .kv_writes import cache_zeros
 
 MIN_BUCKET = 16
 
@@ -111,7 +110,7 @@ def init_kv(cfg: ModelConfig, geo: KVGeometry, dtype: str = "float32", sharding=
     k_shape = (slots, cfg.n_kv_heads, cfg.head_dim, geo.length)
     v_shape = (slots, cfg.n_kv_heads, geo.length, cfg.head_dim)
 
-    fill = partial(cache_zeros, sharding=sharding)
+    fill = partial(kv_writes.cache_zeros, sharding=sharding)
 
     def layer(shape):
         if dtype in SCALED_KV:
@@ -119,6 +118,16 @@ def init_kv(cfg: ModelConfig, geo: KVGeometry, dtype: str = "float32", sharding=
         return fill(shape, dtype)
 
     return [layer(k_shape) for _ in range(cfg.n_layers)], [layer(v_shape) for _ in range(cfg.n_layers)]
+
+
+def copy_slot_prefix(kv, source: int, target: int, positions: int):
+    """Slot `source`'s first `positions` positions of every layer over slot `target`'s,
+    in place (kv donated): natively on one CPU device, which touches only those
+    positions; elsewhere the whole slot (copy_slot)."""
+    k_cache, v_cache = kv
+    if kv_writes.on_one_cpu(k_cache):
+        return kv_writes.copy_positions(k_cache, v_cache, source, target, positions)
+    return copy_slot(kv, np.int32(source), np.int32(target))
 
 
 @partial(jax.jit, donate_argnums=0)

@@ -10,7 +10,8 @@ bytes. Caches spread over several devices (a mesh) take XLA's form, which its
 partitioner splits.
 
 A new cache's zeros are native too (cache_zeros): its pages then count in the process's
-resident set only once a conversation writes them.
+resident set only once a conversation writes them; and so is a prefix's copy from one
+slot to another (copy_positions), which touches only the positions it copies.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import kv_quant, native
 
@@ -38,6 +40,29 @@ def cache_zeros(shape: tuple[int, ...], dtype, sharding=None) -> jax.Array:
 @partial(jax.jit, static_argnums=(0, 1))
 def _untouched_zeros(shape, dtype):
     return jax.ffi.ffi_call(native.KV_ZEROS, jax.ShapeDtypeStruct(shape, dtype))()
+
+
+def copy_positions(k_cache, v_cache, source, target, positions):
+    """Slot `source`'s first `positions` positions over slot `target`'s, in every layer,
+    in place (the caches donated), by the native call: caches where on_one_cpu.
+    Returns the caches."""
+    return _copy_native(k_cache, v_cache, np.array([source, target, positions], np.int32))
+
+
+@partial(jax.jit, donate_argnums=(0, 1))
+def _copy_native(k_cache, v_cache, where):
+    layers = len(k_cache)
+    if kv_quant.quantized(k_cache[0]):
+        caches = [c.values for c in [*k_cache, *v_cache]] + [c.scales for c in [*k_cache, *v_cache]]
+    else:
+        caches = [*k_cache, *v_cache]
+    call = jax.ffi.ffi_call(native.KV_COPY, [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches],
+                            input_output_aliases={1 + i: i for i in range(len(caches))})
+    out = call(where, *caches, layers=layers)
+    if kv_quant.quantized(k_cache[0]):
+        k = [kv_quant.QuantizedCache(out[i], out[2 * layers + i]) for i in range(layers)]
+        return k, [kv_quant.QuantizedCache(out[layers + i], out[3 * layers + i]) for i in range(layers)]
+    return list(out[:layers]), list(out[layers:])
 
 
 def write_chunk(k_cache, v_cache, new_k, new_v, slot, offset):
@@ -64,9 +89,16 @@ def _native(k_cache, new_k) -> bool:
     stores (an 8-bit cache's values: kv_quant.py), and float32 rows."""
     first = k_cache[0]
     first = first.values if kv_quant.quantized(first) else first
-    if not (native.available() and new_k[0].dtype == jnp.float32
-            and (first.dtype in _CACHE_TYPES or first.dtype in (jnp.int8, jnp.uint8))
-            and isinstance(first, jax.Array) and len(first.sharding.device_set) == 1):
+    return (new_k[0].dtype == jnp.float32 and (first.dtype in _CACHE_TYPES or first.dtype in (jnp.int8, jnp.uint8))
+            and on_one_cpu(k_cache))
+
+
+def on_one_cpu(k_cache) -> bool:
+    """Whether the native kernels were built and the caches live on one CPU device (the
+    native writes and copies take them)."""
+    first = k_cache[0]
+    first = first.values if kv_quant.quantized(first) else first
+    if not (native.available() and isinstance(first, jax.Array) and len(first.sharding.device_set) == 1):
         return False
     # JAX's own annotation names its Device class through an alias mypy cannot follow
     device: jax.Device = next(iter(first.sharding.device_set))

@@ -12,9 +12,6 @@
 // Caches (forward.py): K [slots, kv_heads, head_dim, capacity], V [slots, kv_heads,
 // capacity, head_dim], all of one element type: float32, IEEE half or bfloat16, the new
 // float32 values rounded to the nearest (ties to even) as XLA's conversion rounds them.
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -334,33 +331,7 @@ auto write_binding() {
       .Attr<int64_t>("chunk");
 }
 
-// Zeroed caches whose pages count in the resident set only once written: every whole
-// page of a result is handed back to the kernel (MADV_DONTNEED: a private anonymous page
-// then reads as zeros until written), the partial pages at its ends are zeroed. XLA's
-// zeros write every byte, so a cache of 16 slots held its full size from the start,
-// however few positions the conversations used.
-ffi::Error KvZeros(ffi::RemainingRets rets) {
-  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  for (size_t i = 0; i < rets.size(); ++i) {
-    auto out = rets.get<ffi::AnyBuffer>(i);
-    if (out.has_error()) return ffi::Error::InvalidArgument("kv_zeros: a result is not a buffer");
-    uint8_t* start = static_cast<uint8_t*>((*out)->untyped_data());
-    uint8_t* end = start + (*out)->size_bytes();
-    uint8_t* first = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(start) + page - 1) / page * page);
-    uint8_t* last = reinterpret_cast<uint8_t*>(reinterpret_cast<uintptr_t>(end) / page * page);
-    if (last <= first || madvise(first, static_cast<size_t>(last - first), MADV_DONTNEED) != 0) {
-      std::memset(start, 0, static_cast<size_t>(end - start));
-      continue;
-    }
-    std::memset(start, 0, static_cast<size_t>(first - start));
-    std::memset(last, 0, static_cast<size_t>(end - last));
-  }
-  return ffi::Error::Success();
-}
-
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetKvZeros, KvZeros, ffi::Ffi::Bind().RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MotetKvWriteScaled, KvWriteScaled, write_binding());
 
