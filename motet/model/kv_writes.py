@@ -29,7 +29,7 @@ _CACHE_TYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 
 def cache_zeros(shape: tuple[int, ...], dtype, sharding=None) -> jax.Array:
     """A zeroed cache array (values or scales). On the CPU the native call makes it
-    (kernels/kv_write.cc), handing its whole pages back to the system: they read as
+    (kernels/kv_copy.cc), handing its whole pages back to the system: they read as
     zeros, and count in the resident set once written, so slots and positions no
     conversation reached cost no memory. Elsewhere, and spread over a mesh, XLA's."""
     if sharding is None and native.available() and jax.default_backend() == "cpu":
