@@ -181,6 +181,18 @@ async def test_path_traversal_is_404(llama, web, target):
     assert b"SECRET" not in body
 
 
+async def test_a_name_too_long_for_the_file_system_is_404(llama, web):
+    """A segment past the file system's 255 bytes (what the fuzzer sent: combining
+    marks, 3 bytes each), with an extension and without: a 404 and the page, not a 500."""
+    long_name = "o\u0336\u0319" * 60
+    async with tiny_server(llama, web_dir=web) as (engine, url):
+        async with httpx.AsyncClient(base_url=url) as http:
+            with_extension = await http.get(f"/{long_name}.js")
+            without = await http.get(f"/{long_name}")
+    assert with_extension.status_code == 404
+    assert without.status_code == 200 and without.text == "<p>index</p>"
+
+
 async def test_repo_file_is_not_reachable_through_the_default_web_dir(llama):
     async with tiny_server(llama) as (engine, url):  # the package's web/, two folders below pyproject.toml
         for target in ("/../pyproject.toml", "/../../pyproject.toml", "/%2e%2e/%2e%2e/pyproject.toml",

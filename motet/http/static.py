@@ -38,12 +38,19 @@ def resolve(root: Path, raw_path: bytes, path: str) -> Path | None:
     found = _inside(base, base / ("/".join(s for s in segments if s) or INDEX))
     if found is None:  # outside the folder (a symlink), or unresolvable
         return None
-    if found.is_file():
+    if _is_file(found):
         return found
     if "." not in segments[-1]:
         index = _inside(base, base / INDEX)
-        return index if index is not None and index.is_file() else None
+        return index if index is not None and _is_file(index) else None
     return None
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a name too long for the file system: pathlib lets that one through
+        return False
 
 
 def _inside(base: Path, candidate: Path) -> Path | None:
