@@ -20,7 +20,7 @@ setup(
         Extension(
             "motet.model._qmatmul",
             sources=[KERNELS + f"qmatmul_{part}.cc" for part in ("ffi", "base", "avx2", "avx512", "avx512vnni")]
-            + [KERNELS + name for name in ("moe.cc", "norm_rope.cc", "kv_write.cc", "kv_copy.cc")],
+            + [KERNELS + name for name in ("moe.cc", "norm_rope.cc", "kv_write.cc", "kv_copy.cc", "sample.cc")],
             include_dirs=ffi_include(),
             language="c++",
             extra_compile_args=["-O3", "-std=c++17", "-w"],

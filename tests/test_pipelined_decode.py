@@ -37,6 +37,14 @@ def as_tuple(s):
     return s.token, s.logprob, tuple(s.next_key.tolist()), s.top, s.experts.tolist()
 
 
+def same_draw(a, b) -> bool:
+    """The same token, key, candidates and experts, and the logprob within float32's
+    rounding: a float32 model's logits for a row move in their last bits with the other
+    rows of its step (XLA's dot takes one row and two rows by different paths)."""
+    close = abs(a.logprob - b.logprob) <= 1e-5 * max(1.0, abs(b.logprob))
+    return close and as_tuple(a)[2:] == as_tuple(b)[2:] and a.token == b.token
+
+
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_chained_steps_draw_what_host_fed_steps_draw(tiny_model, arch):
     """Slot 0 is fed from the host and read back after every step; slot 1 runs the same
@@ -132,10 +140,10 @@ def test_a_step_mixes_chained_rows_rows_from_the_host_and_rows_left_out(tiny_mod
     two = runner.dispatch([0, first[5].token], [2, 5], [at[2] + 1, at[5]],
                           [row(keys[2], False), row(first[5].next_key, False)], [True, False])
     one, two = runner.collect(one), runner.collect(two)
-    assert as_tuple(one[0]) == as_tuple(expect[2][0])
-    assert as_tuple(one[1]) == as_tuple(expect[3][0])
-    assert as_tuple(two[0]) == as_tuple(expect[2][1])
-    assert as_tuple(two[1]) == as_tuple(expect[5][0])
+    assert same_draw(one[0], expect[2][0])
+    assert same_draw(one[1], expect[3][0])
+    assert same_draw(two[0], expect[2][1])
+    assert same_draw(two[1], expect[5][0])
 
 
 def test_tiered_experts_do_not_chain(tiny_model):

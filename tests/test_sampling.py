@@ -1,15 +1,30 @@
-"""`sample`: per-row temperature, top-k, top-p, min-p and PRNG key in one batched call."""
+"""`sample`: per-row temperature, top-k, top-p, min-p and PRNG key in one batched call,
+every test on both of its forms (the native kernel and XLA's)."""
 
 from __future__ import annotations
+
+import sys
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from motet.model import native, sampling
 from motet.model.sampling import open_mask, request_key, sample
 
 VOCAB = 1000
+
+
+@pytest.fixture(autouse=True, params=["native", "xla"])
+def form(request, monkeypatch):
+    """This module's `sample` forced to one form."""
+    if request.param == "native" and not native.available():
+        pytest.skip("the native kernels were not built here")
+    monkeypatch.setattr(sys.modules[__name__], "sample",
+                        partial(sampling.sample, use_native=request.param == "native"))
+    return request.param
 
 
 def rows(n: int, seed: int = 0) -> np.ndarray:

@@ -270,13 +270,14 @@ class ModelRunner:
         bucket = logits.shape[0]
         *cuts, penalties, allowed = self._sampling(rows, bucket)
         want_top = any(r.want_top for r in rows)
+        native = None if mesh_of(self.model.weights) is None else False  # sample's use_native
         if any(r.uses_history for r in rows):
             padded = np.full((2, bucket), [[self.geo.scratch_slot], [-1]], np.int32)
             padded[0, : len(slots)], padded[1, : len(fed)] = slots, fed
             self.history, drawn = sample_with_history(logits, cuts, want_top, self.history, *padded, penalties,
-                                                      allowed)
+                                                      allowed, use_native=native)
         else:
-            drawn = sample(logits, *cuts, want_top, None, allowed)
+            drawn = sample(logits, *cuts, want_top, None, allowed, use_native=native)
         drawn = jax.device_get(drawn)
         self.sample_seconds += time.perf_counter() - t
         return sampled_rows(rows, drawn, experts)

@@ -231,7 +231,8 @@ def _decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, samplin
     keys = jnp.where(chained[:, None], jax.lax.bitcast_convert_type(held[:, 2:4], jnp.uint32), keys)
     logits, new_k, new_v, routing = _decode(weights, k_cache, v_cache, tokens, slots, positions, cfg=cfg,
                                             moe_impl=moe_impl, mesh=mesh)
-    drawn = pack_sampled(sample(logits, temperature, top_p, top_k, min_p, keys, want_top))
+    drawn = pack_sampled(sample(logits, temperature, top_p, top_k, min_p, keys, want_top,
+                                use_native=None if mesh is None else False))
     carry = carry.at[slots].set(drawn[:, :CARRY_WIDTH])
     if mesh is not None:  # as empty_carry placed it: one signature for every step
         carry = jax.lax.with_sharding_constraint(carry, NamedSharding(mesh, P()))

@@ -87,14 +87,16 @@ def penalize(logits, history: LogitHistory, slots, penalties):
     return jax.lax.cond(jnp.any(uses), apply, lambda x: x, logits)
 
 
-@partial(jax.jit, donate_argnums=3)
-def sample_with_history(logits, cuts, want_top, history: LogitHistory, slots, fed, penalties, allowed):
+@partial(jax.jit, donate_argnums=3, static_argnames="use_native")
+def sample_with_history(logits, cuts, want_top, history: LogitHistory, slots, fed, penalties, allowed, *,
+                        use_native: bool | None = None):
     """sampling.sample of `logits` with cuts (temperature, top_p, top_k, min_p, keys) and
     `allowed`, each row's fed token (< 0: none) counted first and the rows penalized: for
     the samples taken outside a decode step (after a prefill; tiered decode). Returns
-    (the history, sample's outputs)."""
+    (the history, sample's outputs). use_native: as sample's."""
     history = count_fed(history, slots, fed)
-    return history, sample(logits, *cuts, want_top, penalize(logits, history, slots, penalties), allowed)
+    return history, sample(logits, *cuts, want_top, penalize(logits, history, slots, penalties), allowed,
+                           use_native=use_native)
 
 
 @partial(jax.jit, static_argnames="mesh", donate_argnames=("packed", "carry", "history"))
@@ -110,7 +112,8 @@ def resample(logits, fed, packed, carry, history: LogitHistory, slots, cuts, wan
     keys = jax.lax.bitcast_convert_type(fed[:, 1:3], jnp.uint32)
     history = count_fed(history, slots, fed[:, 0])
     scores = penalize(logits, history, slots, penalties)
-    drawn = pack_sampled(sample(logits, *cuts, keys, want_top, scores, allowed))
+    drawn = pack_sampled(sample(logits, *cuts, keys, want_top, scores, allowed,
+                                use_native=None if mesh is None else False))
     carry = carry.at[slots].set(drawn[:, :CARRY_WIDTH])
     if mesh is not None:  # placed as the step and empty_history place them
         carry, history = jax.lax.with_sharding_constraint((carry, history), NamedSharding(mesh, PartitionSpec()))

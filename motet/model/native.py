@@ -1,6 +1,6 @@
 """The native CPU kernels (kernels/*.cc: quantized products, decode and prefill
 attention, a MoE layer's experts, norms, a QKV projection made heads, KV cache writes,
-zeros and prefix copies): found beside this module, where the install built them, and
+zeros and prefix copies, sampling): found beside this module, where the install built them, and
 registered with XLA once.
 
 The install builds them with the machine's C++ compiler (setup.py); where it could
@@ -30,6 +30,7 @@ KV_WRITE = "motet_kv_write"  # a step's new K and V rows into every layer's cach
 KV_WRITE_SCALED = "motet_kv_write_scaled"  # the same into 8-bit caches (kv_quant.py), quantized
 KV_ZEROS = "motet_kv_zeros"  # zeroed caches whose pages are touched only when written
 KV_COPY = "motet_kv_copy"  # a slot's first positions over another's, every layer, in place
+SAMPLE = "motet_sample"  # a batch's next tokens drawn from its logits (sampling.py)
 LIBRARY = "_qmatmul"
 
 
@@ -68,6 +69,7 @@ def _library() -> ctypes.CDLL | None:
     jax.ffi.register_ffi_target(KV_WRITE_SCALED, jax.ffi.pycapsule(lib.MotetKvWriteScaled), platform="cpu")
     jax.ffi.register_ffi_target(KV_ZEROS, jax.ffi.pycapsule(lib.MotetKvZeros), platform="cpu")
     jax.ffi.register_ffi_target(KV_COPY, jax.ffi.pycapsule(lib.MotetKvCopy), platform="cpu")
+    jax.ffi.register_ffi_target(SAMPLE, jax.ffi.pycapsule(lib.MotetSample), platform="cpu")
     return lib
 
 
