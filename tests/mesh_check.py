@@ -76,6 +76,9 @@ class RandomSource:
     def describe(self, name: str) -> str:
         return f"random {name}"
 
+    def release_pages(self) -> None:  # nothing is mapped
+        pass
+
     def get(self, name: str) -> np.ndarray:
         shape = self._shape(name)
         rng = np.random.default_rng([self.seed, sum(map(ord, name)), len(name)])
