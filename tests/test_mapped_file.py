@@ -1,6 +1,7 @@
 """Once a model is loaded, its file's pages no longer count in the process's resident set
-(model/mapped_file.py): loading reads every byte through a mapping that outlives the
-load, so without this the file counted twice, once as pages and once as weights."""
+(model/mapped_file.py), and while it loads only one layer's do: loading reads every byte
+through a mapping that outlives the load, so without this the file counted twice, once
+as pages and once as weights."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import sys
 
 from conftest import REPO
 
-# A fresh process, so no other test's mapping of the same file is counted.
-PROBE = r'''
+# Probes run in a fresh process, so no other test's mapping of the same file is counted.
+RESIDENT = r'''
 import re, sys
 from pathlib import Path
-from motet.model import load_model
+from motet.model import gguf_file, load_model
 
 def resident_bytes_of(path):
     """The resident bytes of every mapping of `path` in this process (/proc/self/smaps)."""
@@ -24,7 +25,9 @@ def resident_bytes_of(path):
         elif inside and line.startswith("Rss:"):
             total += int(line.split()[1]) * 1024
     return total
+'''
 
+PROBE = RESIDENT + r'''
 path = Path(sys.argv[1])
 model = load_model(path)
 after_load = resident_bytes_of(path)
@@ -46,20 +49,7 @@ def test_a_loaded_gguf_leaves_its_pages_to_the_page_cache(default_model_file):
 
 
 # The file's resident bytes each time the load drops its pages (and once loaded).
-DURING_LOAD = r'''
-import re, sys
-from pathlib import Path
-from motet.model import gguf_file, load_model
-
-def resident_bytes_of(path):
-    total, inside = 0, False
-    for line in open("/proc/self/smaps"):
-        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
-            inside = line.rstrip().endswith(str(path))
-        elif inside and line.startswith("Rss:"):
-            total += int(line.split()[1]) * 1024
-    return total
-
+DURING_LOAD = RESIDENT + r'''
 path = Path(sys.argv[1])
 seen = []
 release = gguf_file.GGUFSource.release_pages
