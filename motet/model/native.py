@@ -1,7 +1,7 @@
 """The native CPU kernels (kernels/*.cc: quantized products, decode and prefill
 attention, a MoE layer's experts, norms, a QKV projection made heads, KV cache writes,
-zeros and prefix copies, sampling): found beside this module, where the install built them, and
-registered with XLA once.
+zeros and prefix copies, sampling): found beside this module, where the install built
+them, and registered with XLA once.
 
 The install builds them with the machine's C++ compiler (setup.py); where it could
 not, `available()` is False and quantized products take the XLA path (quant.py).

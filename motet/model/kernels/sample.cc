@@ -195,9 +195,7 @@ int64_t draw(const Batch& b, int64_t row, std::vector<float>& x, std::vector<flo
   if (!(m > kNegInf)) return first_max(s, n);
   float floor = kNegInf;  // the top-k cut, as the least value kept
   const int64_t k = b.top_k[row];
-  if (k > 0 && k < n) {
-    floor = kth_largest(x.data(), n, m, k);
-  }
+  if (k > 0 && k < n) floor = kth_largest(x.data(), n, m, k);
   weights(x.data(), n, m, floor, w.data());
   int64_t kept = -1;  // the nucleus's size, its tokens first in `order` (-1: no nucleus cut)
   if (b.top_p[row] < 1.0f) kept = nucleus(x.data(), w.data(), n, m, b.top_p[row], order);
