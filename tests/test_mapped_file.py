@@ -64,11 +64,13 @@ print(path.stat().st_size, model.config.n_layers, *seen)
 
 def test_the_load_holds_one_layer_of_the_file_at_a_time(default_model_file):
     """pack_weights drops the pages of what it has built before each layer, so the load
-    holds the embedding or one layer of the file at a time, not all of it (before, the
-    MoE Q8_0 benchmark file's load peaked at 1076-1114 MB, 460 of them its pages)."""
+    holds the embedding or about one layer of the file at a time, not all of it (before,
+    the MoE Q8_0 benchmark file's load peaked at 1076-1114 MB, 460 of them its pages)."""
     out = subprocess.run([sys.executable, "-c", DURING_LOAD, str(default_model_file)], capture_output=True,
                          text=True, cwd=REPO, timeout=300, check=True).stdout.split()
     size, layers, *seen = (int(v) for v in out)
     assert len(seen) == layers + 1  # before each layer, and once loaded
-    # the embedding (tied to the head): a third of this file; then a layer at a time
-    assert seen[0] < 0.4 * size and max(seen[1:]) < 0.05 * size, (seen, size)
+    # the embedding (tied to the head): a third of this file; then a layer at a time (2.3
+    # MB) and what the kernel maps around its faults, which varies: 2-4 MB locally, up to
+    # 5.2 in a CI clone's fresh install
+    assert seen[0] < 0.4 * size and max(seen[1:]) < 0.1 * size, (seen, size)
