@@ -27,7 +27,7 @@ from ..model.kv import (
 )
 from ..model.logit_history import begin, empty_history, resample, sample_with_history, start_rows
 from ..model.model import Model
-from ..model.sampling import open_mask, request_key, sample
+from ..model.sampling import native_unless_on, open_mask, request_key, sample
 from ..model.sharding import MeshSpec, mesh_of, model_mesh, place_weights
 from ..model.tiered import EXPERT_KEYS, shared_weight_bytes, shared_weights
 from ..model.tiered_model import TieredModel
@@ -270,7 +270,7 @@ class ModelRunner:
         bucket = logits.shape[0]
         *cuts, penalties, allowed = self._sampling(rows, bucket)
         want_top = any(r.want_top for r in rows)
-        native = None if mesh_of(self.model.weights) is None else False  # sample's use_native
+        native = native_unless_on(mesh_of(self.model.weights))
         if any(r.uses_history for r in rows):
             padded = np.full((2, bucket), [[self.geo.scratch_slot], [-1]], np.int32)
             padded[0, : len(slots)], padded[1, : len(fed)] = slots, fed

@@ -29,7 +29,7 @@ from .heads import qkv_heads
 from .moe import dense_ffn, moe_ffn
 from .norm import add_rms_norm, rms_norm
 from .quant import QTensor, matmul, take_rows
-from .sampling import CARRY_WIDTH, pack_sampled, sample
+from .sampling import CARRY_WIDTH, native_unless_on, pack_sampled, sample
 from .sharding import KV_SPEC, TP, axis_size, local_config, mesh_of, weight_specs
 
 F32 = jnp.float32
@@ -232,7 +232,7 @@ def _decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, samplin
     logits, new_k, new_v, routing = _decode(weights, k_cache, v_cache, tokens, slots, positions, cfg=cfg,
                                             moe_impl=moe_impl, mesh=mesh)
     drawn = pack_sampled(sample(logits, temperature, top_p, top_k, min_p, keys, want_top,
-                                use_native=None if mesh is None else False))
+                                use_native=native_unless_on(mesh)))
     carry = carry.at[slots].set(drawn[:, :CARRY_WIDTH])
     if mesh is not None:  # as empty_carry placed it: one signature for every step
         carry = jax.lax.with_sharding_constraint(carry, NamedSharding(mesh, P()))

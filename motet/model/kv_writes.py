@@ -87,17 +87,21 @@ def write_rows(k_cache, v_cache, new_k, new_v, slots, positions):
 def _native(k_cache, new_k) -> bool:
     """Whether the native write takes these: caches on one CPU device, of a type it
     stores (an 8-bit cache's values: kv_quant.py), and float32 rows."""
-    first = k_cache[0]
-    first = first.values if kv_quant.quantized(first) else first
+    first = _first_values(k_cache)
     return (new_k[0].dtype == jnp.float32 and (first.dtype in _CACHE_TYPES or first.dtype in (jnp.int8, jnp.uint8))
             and on_one_cpu(k_cache))
+
+
+def _first_values(k_cache):
+    """The first layer's stored values (an 8-bit cache's without its scales)."""
+    first = k_cache[0]
+    return first.values if kv_quant.quantized(first) else first
 
 
 def on_one_cpu(k_cache) -> bool:
     """Whether the native kernels were built and the caches live on one CPU device (the
     native writes and copies take them)."""
-    first = k_cache[0]
-    first = first.values if kv_quant.quantized(first) else first
+    first = _first_values(k_cache)
     if not (native.available() and isinstance(first, jax.Array) and len(first.sharding.device_set) == 1):
         return False
     # JAX's own annotation names its Device class through an alias mypy cannot follow

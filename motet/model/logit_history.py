@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .sampling import CARRY_WIDTH, SAMPLED_WIDTH, pack_sampled, sample
+from .sampling import CARRY_WIDTH, SAMPLED_WIDTH, native_unless_on, pack_sampled, sample
 
 
 class LogitHistory(NamedTuple):
@@ -113,7 +113,7 @@ def resample(logits, fed, packed, carry, history: LogitHistory, slots, cuts, wan
     history = count_fed(history, slots, fed[:, 0])
     scores = penalize(logits, history, slots, penalties)
     drawn = pack_sampled(sample(logits, *cuts, keys, want_top, scores, allowed,
-                                use_native=None if mesh is None else False))
+                                use_native=native_unless_on(mesh)))
     carry = carry.at[slots].set(drawn[:, :CARRY_WIDTH])
     if mesh is not None:  # placed as the step and empty_history place them
         carry, history = jax.lax.with_sharding_constraint((carry, history), NamedSharding(mesh, PartitionSpec()))

@@ -104,6 +104,12 @@ def _xla_sample(logits, scores, temperature, top_p, top_k, min_p, uniform, want_
     return tokens, token_logprob, top_ids, top_lp
 
 
+def native_unless_on(mesh) -> bool | None:
+    """sample's use_native for arrays placed on `mesh` (None: one device): the native
+    draw where it applies, XLA's form over a mesh, whose arrays span devices."""
+    return None if mesh is None else False
+
+
 def _native_sample(logits, scores, temperature, top_p, top_k, min_p, uniform, want_top):
     b = logits.shape[0]
     shapes = (jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.float32),
