@@ -54,3 +54,31 @@ def test_threads_share_two_arenas_once_tuned():
 @pytest.mark.parametrize("name", ["MALLOC_ARENA_MAX", "GLIBC_TUNABLES"])
 def test_the_users_own_malloc_settings_win(name):
     assert tune_malloc({name: "1"}) is False
+
+
+# Many small blocks freed below one that stays: glibc keeps their pages until trimmed.
+FREED = """
+import ctypes, json, resource
+from motet.runtime.allocator import give_back_free
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+def rss_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() / 2**20
+blocks = [libc.malloc(4000) for _ in range(40000)]
+for b in blocks:
+    ctypes.memset(b, 1, 4000)
+pinned = libc.malloc(4000)
+for b in blocks:
+    libc.free(b)
+freed = rss_mb()
+given = give_back_free()
+print(json.dumps({"given": given, "freed": freed, "trimmed": rss_mb()}))
+"""
+
+
+def test_free_pages_go_back_once_given():
+    out = json.loads(subprocess.run([sys.executable, "-c", FREED], capture_output=True, text=True,
+                                    check=True).stdout)
+    assert out["given"] is True
+    assert out["freed"] - out["trimmed"] > 100  # of the 160 MB the blocks held

@@ -286,11 +286,13 @@ class ModelRunner:
         """sampling_arrays for a padded batch; an unconstrained one takes the bitmask that
         allows every token from the device (no transfer a step)."""
         *head, allowed = sampling_arrays(rows, bucket)
-        if allowed is None:
-            if bucket not in self._open_masks:
-                self._open_masks[bucket] = jax.device_put(open_mask(bucket, self.model.config.vocab_size))
-            allowed = self._open_masks[bucket]
-        return (*head, allowed)
+        if allowed is not None:
+            # a device array either way: one call signature, so the executable the
+            # warm-up's grammar row loaded serves an open mask's rows too
+            return (*head, jax.device_put(allowed))
+        if bucket not in self._open_masks:
+            self._open_masks[bucket] = jax.device_put(open_mask(bucket, self.model.config.vocab_size))
+        return (*head, self._open_masks[bucket])
 
     # ---- one slot's KV, layer by layer (sessions and handovers) ---------------------------
 

@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..model.attention import ATTN_BLOCK
-from ..model.compilation import CompileCount, CompileCounter, compile_workers, compiling_ahead, use_compile_cache
+from ..model.compilation import (CompileCount, CompileCounter, compile_workers, compiling_ahead, drop_lowerings,
+                                 use_compile_cache)
 from ..model.expert_pool import move_sizes
 from ..model.forward import lower_decode, lower_decode_sampled, lower_prefill
 from ..model.kv import KVGeometry
+from ..runtime.allocator import give_back_free
 from ..runtime.api import StartupReport
 from .step_rows import FILLER_ROW, WARM_ROW, warm_constrained_row
 
@@ -148,6 +150,10 @@ def warm_up(runner: ModelRunner, plan: WarmupPlan, progress: Callable[[str, int,
     runner.new_key(0)
     runner.wait_ready()
     runner.sample_seconds = 0.0
+    # Every step is compiled and run: the modules it was lowered to are garbage now, and
+    # the pages they held go back rather than count until reused.
+    drop_lowerings()
+    give_back_free()
 
 
 def copy_threshold(runner: ModelRunner, prefill_s: dict[int, float]) -> int:

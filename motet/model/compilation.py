@@ -4,10 +4,12 @@ the executables built, and compiling several lowered functions at once.
     use_compile_cache(path)          the cache every entry point turns on (None: off)
     CompileCounter().start()         .now() -> CompileCount(requests, from_cache); .stop()
     compiling_ahead(lowerings, ...)  trace and lower one by one, compile in threads
+    drop_lowerings()                 forget the lowered modules JAX keeps once compiled
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -56,7 +58,7 @@ def current_compile_cache() -> Path | None:
 
 
 def _cache_opened() -> bool:
-    from jax._src import compilation_cache  # the one place motet reads JAX's private state
+    from jax._src import compilation_cache  # one of two places motet reads JAX's private state
 
     return compilation_cache._cache is not None
 
@@ -143,3 +145,23 @@ def _compile(key, lowered, done: Callable[[Hashable], None]) -> None:
     lowered.compile()
     log.debug("compiled %s in %.2f s", key, time.perf_counter() - started)
     done(key)
+
+
+def drop_lowerings() -> int:
+    """Forget the MLIR modules JAX keeps of every jitted function it has lowered (two
+    caches hold each), and return how many there were. Each module holds a context of
+    its own with every dialect loaded: the default model's 55 held 60 MB once an engine
+    was warm (docs/performance.md). The executables stay where calls find them; only a
+    call that misses them lowers again, then reads the persistent cache."""
+    from jax._src import pjit  # with pxla, the other place motet reads JAX's private state
+    from jax._src.interpreters import pxla
+
+    caches = [getattr(pjit, "_pjit_lower", None), getattr(pxla, "_cached_lowering_to_hlo", None)]
+    caches = [c for c in caches if hasattr(c, "cache_clear") and hasattr(c, "cache_info")]
+    if not caches:
+        return 0  # a JAX that keeps them elsewhere, or not at all
+    count = caches[0].cache_info().currsize
+    for cache in caches:
+        cache.cache_clear()
+    gc.collect()  # the modules' Python objects hold one another: only the collector frees them
+    return count

@@ -13,6 +13,10 @@ back to the system and fault in again: not measured apart).
 The `motet` command sets this as it starts, before JAX starts its threads. A program that
 embeds the Engine can call tune_malloc itself, first thing, or set glibc's
 MALLOC_ARENA_MAX.
+
+give_back_free() returns what malloc holds free to the system, once, where a large
+amount was just freed (the end of the warm-up): what is not given back counts in the
+resident set until something reuses it.
 """
 
 from __future__ import annotations
@@ -29,10 +33,23 @@ ARENAS = 2
 _USER_SETTINGS = ("MALLOC_ARENA_MAX", "GLIBC_TUNABLES")
 
 
+def _glibc() -> ctypes.CDLL | None:
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 def tune_malloc(environ: Mapping[str, str]) -> bool:
     """Two malloc arenas, where the C library is glibc and `environ` sets no arena count
     (nor any glibc tunable). Returns whether malloc was changed."""
-    if platform.libc_ver()[0] != "glibc" or any(name in environ for name in _USER_SETTINGS):
+    libc = _glibc()
+    if libc is None or any(name in environ for name in _USER_SETTINGS):
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     return libc.mallopt(M_ARENA_MAX, ARENAS) == 1  # 1: done
+
+
+def give_back_free() -> bool:
+    """malloc_trim(0): every free page of the heap and arenas back to the system, where
+    the C library is glibc. Returns whether any was."""
+    libc = _glibc()
+    return libc is not None and libc.malloc_trim(0) == 1
