@@ -79,6 +79,9 @@ class RandomSource:
     def release_pages(self) -> None:  # nothing is mapped
         pass
 
+    def file_rows(self, name: str) -> None:
+        return None
+
     def get(self, name: str) -> np.ndarray:
         shape = self._shape(name)
         rng = np.random.default_rng([self.seed, sum(map(ord, name)), len(name)])

@@ -19,8 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..model.attention import ATTN_BLOCK
-from ..model.compilation import (CompileCount, CompileCounter, compile_workers, compiling_ahead, drop_lowerings,
-                                 use_compile_cache)
+from ..model.compilation import (
+    CompileCount,
+    CompileCounter,
+    compile_workers,
+    compiling_ahead,
+    drop_lowerings,
+    use_compile_cache,
+)
 from ..model.expert_pool import move_sizes
 from ..model.forward import lower_decode, lower_decode_sampled, lower_prefill
 from ..model.kv import KVGeometry

@@ -156,8 +156,8 @@ def drop_lowerings() -> int:
     from jax._src import pjit  # with pxla, the other place motet reads JAX's private state
     from jax._src.interpreters import pxla
 
-    caches = [getattr(pjit, "_pjit_lower", None), getattr(pxla, "_cached_lowering_to_hlo", None)]
-    caches = [c for c in caches if hasattr(c, "cache_clear") and hasattr(c, "cache_info")]
+    found = (getattr(pjit, "_pjit_lower", None), getattr(pxla, "_cached_lowering_to_hlo", None))
+    caches = [c for c in found if c is not None and hasattr(c, "cache_clear") and hasattr(c, "cache_info")]
     if not caches:
         return 0  # a JAX that keeps them elsewhere, or not at all
     count = caches[0].cache_info().currsize

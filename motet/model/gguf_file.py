@@ -10,6 +10,7 @@ import numpy as np
 
 from . import native
 from .errors import ModelFileError, UnsupportedModelError
+from .file_rows import UNPACK, FileRows, over
 from .gguf_quants import REPACK
 from .mapped_file import release_pages
 from .quant import QTensor, pick_rows, plain
@@ -177,6 +178,15 @@ class GGUFSource:
         if w is not None and self.permuted_rope_heads and kind in ("q", "k"):
             w = pick_rows(w, unpermuted_row_order(shape[0], self.permuted_rope_heads[kind == "k"]))
         return w
+
+    def file_rows(self, name: str) -> FileRows | None:
+        """A quantized 2-D tensor's bytes as the file holds them, [rows, bytes a row], over
+        the read-only mapping (None for a type file_rows.py does not unpack)."""
+        tensor = self._tensor(name)
+        raw = np.asarray(tensor.data)
+        if tensor.tensor_type.name not in UNPACK or raw.ndim != 2 or raw.dtype != np.uint8:
+            return None
+        return over(self._map, raw, tensor.tensor_type.name, int(tensor.shape[0]))
 
     def get_packed_expert(self, name: str, e: int) -> QTensor | None:
         """Expert e of a stacked expert tensor still quantized, [rows, columns]: a raw

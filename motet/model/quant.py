@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import native
+from . import file_rows, native
 
 F32 = jnp.float32
 LAYOUTS = ("q4", "q8")
@@ -199,8 +199,10 @@ def matmul_gathered(x: jax.Array, w, index: jax.Array) -> jax.Array:
 
 
 def take_rows(w, rows) -> jax.Array:
-    """Rows of a matrix as floats (an embedding lookup): of a QTensor, only those rows
-    are dequantized."""
+    """Rows of a matrix as floats (an embedding lookup): of a QTensor, or of a file's own
+    blocks (file_rows.py), only those rows are dequantized."""
+    if isinstance(w, file_rows.FileRows):
+        return file_rows.take(w, rows)
     return dequantize(pick_rows(w, rows)) if isinstance(w, QTensor) else w[rows]
 
 

@@ -152,6 +152,9 @@ class SafetensorsSource:
     def get_packed_expert(self, name: str, e: int) -> None:
         return None
 
+    def file_rows(self, name: str) -> None:
+        return None
+
     def describe(self, name: str) -> str:
         if name in self.files:
             st, hf_name = self.files[name]

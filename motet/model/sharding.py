@@ -178,6 +178,9 @@ class KVHeadsRepeated:
     def release_pages(self) -> None:
         self.source.release_pages()
 
+    def file_rows(self, name: str) -> None:  # a mesh splits every leaf: none stays the file's
+        return None
+
 
 def model_mesh(mesh: MeshSpec | str | Mesh, cfg: ModelConfig) -> Mesh:
     """A checked Mesh for this model, from a spec, a string or a Mesh with axes (ep, tp)."""

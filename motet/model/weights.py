@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 
 from .config import ModelConfig
 from .errors import ModelFileError
+from .file_rows import FileRows
 from .quant import QTensor, stack_rows
 from .sharding import place_leaf
 
@@ -54,6 +55,11 @@ class TensorSource(Protocol):
     def release_pages(self) -> None:
         """The pages read so far out of the process's resident set (mapped_file.py); a
         later read faults them back in."""
+        ...
+
+    def file_rows(self, name: str) -> FileRows | None:
+        """A quantized tensor as the file's own blocks over its mapping, for a lookup of a
+        few rows (file_rows.py), or None where the file cannot give it so."""
         ...
 
 
@@ -106,14 +112,22 @@ def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, expe
     # x @ W with W [d, V] is XLA:CPU's fastest form of the head's GEMV (a [V, d] operand
     # runs at about half the bandwidth), so a tied model keeps only this copy; a
     # quantized one keeps its [V, d] rows, which the kernels read.
-    embed = _matrix(source, [("embed", (cfg.vocab_size, d))], quantized)
+    # An untied embedding is read a few rows a step: quantized, it stays the file's blocks.
+    rows = None if cfg.tie_embeddings or mesh is not None or not quantized else source.file_rows("embed")
+    if rows is not None and rows.shape != (cfg.vocab_size, d):
+        raise ModelFileError(f"{source.describe('embed')} has shape {rows.shape}, expected "
+                             f"{(cfg.vocab_size, d)} from the model's config")
+    embed = None if rows is not None else _matrix(source, [("embed", (cfg.vocab_size, d))], quantized)
     head = embed if cfg.tie_embeddings else _matrix(source, [("lm_head", (cfg.vocab_size, d))], quantized)
+    assert head is not None  # a tied model's embedding is never left in the file
     weights: dict = {
         "lm_head": put("lm_head", head, dtype),
         "final_norm": put("final_norm", _get(source, "final_norm", (d,)), f32),
         "layers": [],
     }
-    if not cfg.tie_embeddings:
+    if rows is not None:
+        weights["embed"] = jax.device_put(rows)  # on the CPU, over the mapping: not copied
+    elif embed is not None and not cfg.tie_embeddings:
         weights["embed"] = put("embed", embed if isinstance(embed, QTensor) else embed.T, dtype)
     del embed, head
     for i in range(cfg.n_layers):
@@ -157,7 +171,7 @@ def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, expe
 
 
 def _leaves(weights: dict) -> list:
-    return jax.tree_util.tree_leaves(weights, is_leaf=lambda x: isinstance(x, QTensor))
+    return jax.tree_util.tree_leaves(weights, is_leaf=lambda x: isinstance(x, (QTensor, FileRows)))
 
 
 def count_parameters(weights: dict) -> int:
@@ -173,7 +187,10 @@ def weight_formats(weights: dict) -> dict[str, dict]:
     groups: dict[str, dict] = {}
 
     def visit(name: str, leaf) -> None:
-        fmt = leaf.source or leaf.layout if isinstance(leaf, QTensor) else str(np.dtype(leaf.dtype))
+        if isinstance(leaf, FileRows):
+            fmt = f"{leaf.source} (the file's blocks)"
+        else:
+            fmt = leaf.source or leaf.layout if isinstance(leaf, QTensor) else str(np.dtype(leaf.dtype))
         group = groups.setdefault(name, {"formats": set(), "values": 0, "bytes": 0})
         group["formats"].add(fmt)
         group["values"] += int(np.prod(leaf.shape))
