@@ -15,10 +15,10 @@ import pytest
 from conftest import GOLDEN
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
-from gguf_fixtures import mix, simple, write_gguf
+from gguf_fixtures import add_tokenizer, mix, read_hf, simple, write_gguf, write_tensors
 from kquants import quantize_k
 
-from motet.model import load_model
+from motet.model import ModelFileError, load_model
 from motet.model.file_rows import UNPACK, FileRows, over
 from motet.model.gguf_file import GGUFSource, open_gguf
 from motet.model.gguf_quants import REPACK
@@ -138,3 +138,13 @@ def test_a_tied_or_float_embedding_is_built_as_before(tmp_path):
     floats = load_model(write_gguf(GOLDEN / "olmoe", tmp_path / "k.gguf", mix(lambda name, array: Q.Q4_K)))
     assert not isinstance(floats.weights["embed"], FileRows)
     assert not isinstance(load_model(GOLDEN / "olmoe").weights["embed"], FileRows)  # safetensors
+
+
+def test_an_embedding_of_the_wrong_shape_is_named(tmp_path):
+    hf_dir = GOLDEN / "olmoe"
+    hf, raw = read_hf(hf_dir)
+    raw = {**raw, "model.embed_tokens.weight": raw["model.embed_tokens.weight"][:-32]}  # a block of rows short
+    path = write_tensors(tmp_path / "short.gguf", hf, raw, lambda w: add_tokenizer(w, hf_dir, hf["vocab_size"]),
+                         simple(Q.Q8_0))
+    with pytest.raises(ModelFileError, match=r"token_embd\.weight.*expected"):
+        load_model(path)
