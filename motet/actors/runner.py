@@ -284,11 +284,10 @@ class ModelRunner:
 
     def _sampling(self, rows: list[SamplingRow], bucket: int):
         """sampling_arrays for a padded batch; an unconstrained one takes the bitmask that
-        allows every token from the device (no transfer a step)."""
+        allows every token from the device (no transfer a step). A device array either way:
+        one call signature, so what the warm-up's grammar row loaded serves open masks too."""
         *head, allowed = sampling_arrays(rows, bucket)
         if allowed is not None:
-            # a device array either way: one call signature, so the executable the
-            # warm-up's grammar row loaded serves an open mask's rows too
             return (*head, jax.device_put(allowed))
         if bucket not in self._open_masks:
             self._open_masks[bucket] = jax.device_put(open_mask(bucket, self.model.config.vocab_size))
