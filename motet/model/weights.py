@@ -221,4 +221,4 @@ def decode_bytes(cfg: ModelConfig, weights: dict) -> int:
 
 
 def is_quantized(weights: dict) -> bool:
-    return any(isinstance(x, QTensor) for x in _leaves(weights))
+    return any(isinstance(x, (QTensor, FileRows)) for x in _leaves(weights))
