@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .ggml_blocks import QK, QK_K, k_nibbles, k_scales, q5_values, q6_values
+
 F32 = jnp.float32
-QK, QK_K = 32, 256  # values per block of the simple types, per super-block of the K types
 
 
 # XLA:CPU shares an array's memory only from a 64-byte boundary; a GGUF file aligns its
@@ -93,20 +94,6 @@ def _q8_0(raw):
     return jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(F32) * _halves(b[..., 0:2])[..., None]
 
 
-def _k_scales(p):
-    """The 8 six-bit (scale, min) pairs of a Q4_K / Q5_K super-block's 12 bytes."""
-    low, high, rest = p[..., 0:4], p[..., 4:8], p[..., 8:12]
-    scales = jnp.concatenate([low & 63, (rest & 15) | ((low >> 6) << 4)], axis=-1)
-    mins = jnp.concatenate([high & 63, (rest >> 4) | ((high >> 6) << 4)], axis=-1)
-    return scales, mins
-
-
-def _k_nibbles(qs):
-    """128 bytes → 8 runs of 32 values: each 32 bytes' low nibbles, then their high ones."""
-    q = qs.reshape(*qs.shape[:-1], 4, 1, 32)
-    return jnp.concatenate([q & 15, q >> 4], axis=-2).reshape(*qs.shape[:-1], 8, 32)
-
-
 def _k_values(q, sc, d, mn, dmin):
     """q [..., 8, 32] · (sc · d) + mn · -dmin, per run of 32, as quant.dequantize computes it."""
     scale = sc.astype(F32) * d[..., None]
@@ -116,28 +103,22 @@ def _k_values(q, sc, d, mn, dmin):
 
 def _q4_k(raw):
     b = _blocks(raw, 4 + 12 + QK_K // 2)
-    sc, mn = _k_scales(b[..., 4:16])
-    return _k_values(_k_nibbles(b[..., 16:]), sc, _halves(b[..., 0:2]), mn, _halves(b[..., 2:4]))
+    sc, mn = k_scales(b[..., 4:16], jnp)
+    return _k_values(k_nibbles(b[..., 16:], jnp), sc, _halves(b[..., 0:2]), mn, _halves(b[..., 2:4]))
 
 
 def _q5_k(raw):
     b = _blocks(raw, 4 + 12 + QK_K // 8 + QK_K // 2)
-    sc, mn = _k_scales(b[..., 4:16])
-    qh = b[..., 16:48]
-    high = jnp.stack([(qh >> j) & 1 for j in range(8)], axis=-2)  # run j takes bit j of each byte
-    q = _k_nibbles(b[..., 48:]) + (high << 4)
+    sc, mn = k_scales(b[..., 4:16], jnp)
+    q = q5_values(b[..., 16:48], b[..., 48:], jnp)
     return _k_values(q, sc, _halves(b[..., 0:2]), mn, _halves(b[..., 2:4]))
 
 
 def _q6_k(raw):
     b = _blocks(raw, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2)
-    ql, qh = b[..., 0:128].reshape(*b.shape[:-1], 2, 64), b[..., 128:192].reshape(*b.shape[:-1], 2, 32)
     sc = jax.lax.bitcast_convert_type(b[..., 192:208], jnp.int8).astype(F32)  # a scale per 16 values
     d = _halves(b[..., 208:210])
-    runs = [(ql[..., :32] & 15) | ((qh & 3) << 4), (ql[..., 32:] & 15) | (((qh >> 2) & 3) << 4),
-            (ql[..., :32] >> 4) | (((qh >> 4) & 3) << 4), (ql[..., 32:] >> 4) | (((qh >> 6) & 3) << 4)]
-    q = jnp.stack(runs, axis=-2).astype(jnp.int16) - 32  # [..., 2, 4, 32]
-    q = q.reshape(*b.shape[:-1], 16, 16)
+    q = q6_values(b[..., 0:128], b[..., 128:192], jnp).reshape(*b.shape[:-1], 16, 16)
     return q.astype(F32) * (sc * d[..., None])[..., None]
 
 

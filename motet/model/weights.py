@@ -112,24 +112,25 @@ def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, expe
     # x @ W with W [d, V] is XLA:CPU's fastest form of the head's GEMV (a [V, d] operand
     # runs at about half the bandwidth), so a tied model keeps only this copy; a
     # quantized one keeps its [V, d] rows, which the kernels read.
-    # An untied embedding is read a few rows a step: quantized, it stays the file's blocks.
-    rows = None if cfg.tie_embeddings or mesh is not None or not quantized else source.file_rows("embed")
-    if rows is not None and rows.shape != (cfg.vocab_size, d):
-        raise ModelFileError(f"{source.describe('embed')} has shape {rows.shape}, expected "
-                             f"{(cfg.vocab_size, d)} from the model's config")
-    embed = None if rows is not None else _matrix(source, [("embed", (cfg.vocab_size, d))], quantized)
-    head = embed if cfg.tie_embeddings else _matrix(source, [("lm_head", (cfg.vocab_size, d))], quantized)
-    assert head is not None  # a tied model's embedding is never left in the file
+    head = _matrix(source, [("embed" if cfg.tie_embeddings else "lm_head", (cfg.vocab_size, d))], quantized)
     weights: dict = {
         "lm_head": put("lm_head", head, dtype),
         "final_norm": put("final_norm", _get(source, "final_norm", (d,)), f32),
         "layers": [],
     }
-    if rows is not None:
-        weights["embed"] = jax.device_put(rows)  # on the CPU, over the mapping: not copied
-    elif embed is not None and not cfg.tie_embeddings:
-        weights["embed"] = put("embed", embed if isinstance(embed, QTensor) else embed.T, dtype)
-    del embed, head
+    del head
+    if not cfg.tie_embeddings:
+        # read a few rows a step: quantized, it stays the file's blocks (not copied, on the CPU)
+        rows = None if mesh is not None or not quantized else source.file_rows("embed")
+        if rows is not None:
+            if rows.shape != (cfg.vocab_size, d):
+                raise ModelFileError(f"{source.describe('embed')} has shape {rows.shape}, expected "
+                                     f"{(cfg.vocab_size, d)} from the model's config")
+            weights["embed"] = jax.device_put(rows)
+        else:
+            embed = _matrix(source, [("embed", (cfg.vocab_size, d))], quantized)
+            weights["embed"] = put("embed", embed if isinstance(embed, QTensor) else embed.T, dtype)
+            del embed
     for i in range(cfg.n_layers):
         # What is built no longer needs the file's pages it was read from: dropped layer
         # by layer, the load holds one layer of the file resident, not all of it (the
