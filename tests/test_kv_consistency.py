@@ -13,6 +13,7 @@ from conftest import GOLDEN, TINY_GEO
 from motet.model.forward import prefill
 from motet.model.generate import decode_step, prefill_slot
 from motet.model.kv import KVGeometry, bucket, init_kv
+from motet.model.kv_layout import keys_in_order
 
 # Measured max |difference| between the paths here (logits and cached K/V): tiny models
 # ≤ 2.2e-5 (logits up to ~33), SmolLM2 6.6e-5 (logit std ~3). Tolerances ~4-5x above.
@@ -35,7 +36,9 @@ def snapshot(kv):
 
 
 def host(kv):
-    return jax.tree.map(np.asarray, kv)
+    """The caches as host arrays, K in order: [slots, kv_heads, head_dim, length]."""
+    k, v = kv
+    return [keys_in_order(np.asarray(x)) for x in k], [np.asarray(x) for x in v]
 
 
 def make_prompt(vocab: int, length: int, salt: int) -> list[int]:
@@ -95,7 +98,7 @@ def test_chunked_prefill_equals_one_chunk(tiny_model, arch, chunk):
     for size in (chunk, 512):
         geo = KVGeometry(n_slots=TINY_GEO.n_slots, max_context=TINY_GEO.max_context, chunk=size)
         logits, (k, v) = prefill_slot(model, init_kv(model.config, geo), geo, 0, prompt, 0)
-        results.append((np.asarray(logits), [np.asarray(x[0, :, :, :n]) for x in k],
+        results.append((np.asarray(logits), [x[0, :, :, :n] for x in host((k, v))[0]],
                         [np.asarray(x[0, :, :n]) for x in v]))
     (logits, ks, vs), (one_logits, one_k, one_v) = results
     close(one_logits, model.logits(prompt)[-1])

@@ -10,16 +10,18 @@ import numpy as np
 import pytest
 
 from motet.model import kv_quant, kv_writes, native
+from motet.model.kv_layout import KEY_BLOCK, keys_in_blocks, keys_in_order
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels were not built")
 
-LAYERS, SLOTS, HEADS, DIM, CAPACITY = 3, 5, 2, 8, 40
+LAYERS, SLOTS, HEADS, DIM, CAPACITY = 3, 5, 2, 8, 2 * KEY_BLOCK
 CACHE_TYPES = [jnp.float32, jnp.float16, jnp.bfloat16]
 
 
 def caches(dtype, seed: int):
+    """K (in blocks, kv_layout.py) and V of every layer, host arrays of `dtype`."""
     rng = np.random.default_rng(seed)
-    k = [rng.standard_normal((SLOTS, HEADS, DIM, CAPACITY)).astype(np.float32) for _ in range(LAYERS)]
+    k = [keys_in_blocks(rng.standard_normal((SLOTS, HEADS, DIM, CAPACITY)).astype(np.float32)) for _ in range(LAYERS)]
     v = [rng.standard_normal((SLOTS, HEADS, CAPACITY, DIM)).astype(np.float32) for _ in range(LAYERS)]
     return [np.asarray(jnp.asarray(a, dtype)) for a in k], [np.asarray(jnp.asarray(a, dtype)) for a in v]
 
@@ -49,7 +51,8 @@ def both(write_native, write_xla, dtype, seed: int):
 @pytest.mark.parametrize("dtype", CACHE_TYPES, ids=lambda t: jnp.dtype(t).name)
 def test_a_chunk_is_written_as_xla_writes_it(dtype, isa):
     tokens = 16
-    for offset in (0, 10, CAPACITY - tokens, CAPACITY - 6):  # the last: a padded chunk's tail dropped
+    # one across a block of K; the last: a padded chunk's tail dropped
+    for offset in (0, 10, KEY_BLOCK - 6, CAPACITY - tokens, CAPACITY - 6):
         new_k = [jnp.asarray(awkward((HEADS, DIM, tokens), offset + i)) for i in range(LAYERS)]
         new_v = [jnp.asarray(awkward((HEADS, tokens, DIM), 50 + offset + i)) for i in range(LAYERS)]
         ours, xla = both(
@@ -77,7 +80,8 @@ def test_the_public_writes_take_the_native_call_on_one_cpu_device():
     assert kv_writes._native(k, rows)
     assert not kv_writes._native(k, [r.astype(jnp.bfloat16) for r in rows])  # rows not float32: XLA's write
     k, v = kv_writes.write_rows(k, v, rows, rows, np.array([2], np.int32), np.array([5], np.int32))
-    assert not np.asarray(k[0][2, :, :, 5], np.float32).any() and np.asarray(k[0][1, :, :, 5]).any()
+    k0 = keys_in_order(np.asarray(k[0], np.float32))
+    assert not k0[2, :, :, 5].any() and k0[1, :, :, 5].any()
 
 
 def test_a_write_of_the_wrong_shape_is_refused():
@@ -91,7 +95,12 @@ def test_a_write_of_the_wrong_shape_is_refused():
 def scaled_caches(kind: str, seed: int):
     """8-bit caches (kv_quant.py) of random values, as device arrays."""
     k, v = caches(jnp.float32, seed)
-    return ([kv_quant.QuantizedCache(*kv_quant.quantize(jnp.asarray(a), kind, axis=2)) for a in k],
+
+    def keys(a):  # quantized along head_dim in order, then put back in blocks
+        values, scales = kv_quant.quantize(jnp.asarray(keys_in_order(a)), kind, axis=2)
+        return kv_quant.QuantizedCache(keys_in_blocks(values), scales)
+
+    return ([keys(a) for a in k],
             [kv_quant.QuantizedCache(*kv_quant.quantize(jnp.asarray(a), kind, axis=3)) for a in v])
 
 
@@ -128,7 +137,8 @@ def test_the_public_writes_take_the_native_call_for_an_8_bit_cache():
     rows = [jnp.ones((1, HEADS, DIM), jnp.float32)] * LAYERS
     assert kv_writes._native(k, rows)
     k, v = kv_writes.write_rows(k, v, rows, rows, np.array([2], np.int32), np.array([5], np.int32))
-    assert (np.asarray(k[0].values[2, :, :, 5]) == 127).all() and (np.asarray(k[0].scales[2, :, 5]) == 1 / 127).all()
+    assert (keys_in_order(np.asarray(k[0].values))[2, :, :, 5] == 127).all()
+    assert (np.asarray(k[0].scales[2, :, 5]) == 1 / 127).all()
 
 
 # ---- a new cache's zeros (kv_writes.cache_zeros) -------------------------------------------
@@ -171,14 +181,48 @@ def test_a_new_caches_pages_count_once_written():
     assert 24 < out["written_mb"] < 128  # one slot of 16 (32 MB) written, in place
 
 
+# A fresh interpreter makes caches of 8 layers, 2 slots of 1024 positions (8 MB of K a
+# slot), and writes one decode row into slot 0: how much its resident set grew.
+FIRST_ROW = """
+import json, types, psutil, numpy as np, jax.numpy as jnp
+from motet.model import kv_writes
+from motet.model.kv import KVGeometry, init_kv
+def mb():
+    return psutil.Process().memory_info().rss / 2**20
+cfg = types.SimpleNamespace(n_layers=8, n_kv_heads=4, head_dim=64)
+k, v = init_kv(cfg, KVGeometry(n_slots=1, max_context=1024, chunk=256))
+rows = [jnp.ones((1, 4, 64), jnp.float32)] * 8
+slot, position = np.array([0], np.int32), np.array([0], np.int32)
+kv_writes.write_rows(k, v, rows, rows, slot, position)  # compiled, and the first pages
+k, v = init_kv(cfg, KVGeometry(n_slots=1, max_context=1024, chunk=256))
+start = mb()
+k, v = kv_writes.write_rows(k, v, rows, rows, slot, position)
+k[0].block_until_ready()
+print(json.dumps({"grew_mb": mb() - start}))
+"""
+
+
+def test_a_slots_first_row_touches_its_first_block_of_k_only():
+    """K in blocks of positions (kv_layout.py): one row's write touches a block a layer
+    and head (0.5 MB in all here), where K held position last touched the slot's whole K
+    (8 MB: a page in every dimension's run of positions)."""
+    import json
+    import subprocess
+    import sys
+
+    out = json.loads(subprocess.run([sys.executable, "-c", FIRST_ROW], capture_output=True, text=True,
+                                    check=True).stdout)
+    assert out["grew_mb"] < 2
+
+
 # ---- a prefix copied between slots (kv_writes.copy_positions) ------------------------------
 
 @pytest.mark.parametrize("scaled", [False, True])
-@pytest.mark.parametrize("positions", [0, 7, CAPACITY, CAPACITY + 5])
+@pytest.mark.parametrize("positions", [0, 7, KEY_BLOCK + 3, CAPACITY, CAPACITY + 5])
 def test_a_prefix_copy_takes_its_positions_and_leaves_the_rest(scaled, positions):
-    """Slot 1's first `positions` positions over slot 3's in every layer, K (positions
-    last), V (positions before the head dimension) and an 8-bit cache's scales; slot 3's
-    later positions and every other slot as they were."""
+    """Slot 1's first `positions` positions over slot 3's in every layer: K's blocks
+    that hold them, V's positions and an 8-bit cache's scales; slot 3's later positions
+    and every other slot as they were."""
     k, v = caches(jnp.float16, seed=5)
     if scaled:
         rng = np.random.default_rng(6)
@@ -187,10 +231,13 @@ def test_a_prefix_copy_takes_its_positions_and_leaves_the_rest(scaled, positions
         v = [kv_quant.QuantizedCache(a.astype(np.int8), rng.standard_normal((SLOTS, HEADS, CAPACITY), np.float32))
              for a in v]
 
-    def arrays(layers):  # (array, its positions' axis): values, then an 8-bit cache's scales
+    def arrays(layers):  # values (K in order), then an 8-bit cache's scales
+        def ordered(a):
+            return keys_in_order(a) if a.ndim == 5 else a
+
         if not scaled:
-            return [np.asarray(a) for a in layers]
-        return [np.asarray(a) for layer in layers for a in (layer.values, layer.scales)]
+            return [ordered(np.asarray(a)) for a in layers]
+        return [ordered(np.asarray(a)) for layer in layers for a in (layer.values, layer.scales)]
 
     def device(layers):
         if scaled:
@@ -202,9 +249,10 @@ def test_a_prefix_copy_takes_its_positions_and_leaves_the_rest(scaled, positions
     n = min(positions, CAPACITY)
     for i, (old, new) in enumerate(zip(before, arrays(new_k) + arrays(new_v))):
         is_k = i < len(before) // 2
-        axis = 2 if old.ndim == 3 or not is_k else 3  # K [s, h, d, positions], V [s, h, positions, d]
+        is_k_values = is_k and (not scaled or i % 2 == 0)
+        axis = 3 if is_k_values else 2  # K [s, h, d, positions], V [s, h, positions, d], scales [s, h, positions]
         expected = old.copy()
         window = [slice(None)] * old.ndim
-        window[axis] = slice(0, n)
+        window[axis] = slice(0, -(-n // KEY_BLOCK) * KEY_BLOCK if is_k_values else n)
         expected[(3, *window[1:])] = old[(1, *window[1:])]
         np.testing.assert_array_equal(new, expected)

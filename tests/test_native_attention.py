@@ -11,6 +11,7 @@ import pytest
 
 from motet.model import kv_quant, native
 from motet.model.attention import ATTN_BLOCK, attend_chunk, attend_rows
+from motet.model.kv_layout import keys_in_blocks
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels were not built")
 
@@ -28,9 +29,24 @@ def case(kv_heads: int, group: int, head_dim: int, capacity: int, slots: int, po
     return cfg, (*(a.astype(np.float32) for a in arrays), rows, np.asarray(positions, np.int32))
 
 
+def blocked(k_cache):
+    """A K cache these cases build and change in order ([slots, kv_heads, head_dim,
+    capacity]) as the engine holds it, in blocks (kv_layout.py)."""
+    if k_cache is None:
+        return None
+    if kv_quant.quantized(k_cache):
+        return kv_quant.QuantizedCache(keys_in_blocks(k_cache.values), k_cache.scales)
+    return keys_in_blocks(k_cache)
+
+
+def held(args):
+    """A case's arguments with its K cache (argument 3) as the engine holds it."""
+    return (*args[:3], blocked(args[3]), *args[4:])
+
+
 def both(cfg, args):
-    kernel = jax.jit(lambda *a: attend_rows(cfg, *a, use_native=True))(*args)
-    xla = jax.jit(lambda *a: attend_rows(cfg, *a, use_native=False))(*args)
+    kernel = jax.jit(lambda *a: attend_rows(cfg, *a, use_native=True))(*held(args))
+    xla = jax.jit(lambda *a: attend_rows(cfg, *a, use_native=False))(*held(args))
     return np.asarray(kernel), np.asarray(xla)
 
 
@@ -42,7 +58,7 @@ SHAPES = [(3, 3, 64), (2, 2, 16), (1, 4, 24), (4, 1, 32), (2, 8, 32)]
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_kernel_equals_the_xla_loops(isa, shape):
-    capacity = 600 + ATTN_BLOCK
+    capacity = 3 * ATTN_BLOCK
     # no history, one position, a block and a bit, positions not a multiple of any vector
     cfg, args = case(*shape, capacity=capacity, slots=5, positions=[0, 1, 7, 257, 300, 599])
     kernel, xla = both(cfg, args)
@@ -97,9 +113,9 @@ def narrow(args, dtype):
 @pytest.mark.parametrize("shape", [(3, 3, 64), (1, 4, 24)])
 def test_a_narrow_cache_is_read_as_xla_reads_it(isa, shape, dtype):
     """Decode, and prefill over a history, by both paths alike."""
-    cfg, args = case(*shape, capacity=600 + ATTN_BLOCK, slots=5, positions=[0, 1, 7, 257, 300, 599])
+    cfg, args = case(*shape, capacity=3 * ATTN_BLOCK, slots=5, positions=[0, 1, 7, 257, 300, 599])
     args = narrow(args, dtype)
-    assert native.ATTEND_ROWS in jax.jit(lambda *a: attend_rows(cfg, *a)).lower(*args).as_text()
+    assert native.ATTEND_ROWS in jax.jit(lambda *a: attend_rows(cfg, *a)).lower(*held(args)).as_text()
     kernel, xla = both(cfg, args)
     np.testing.assert_allclose(kernel, xla, atol=2e-6, rtol=1e-5)
     for tokens, offset in ((37, 0), (5, 599)):
@@ -112,7 +128,7 @@ def test_a_narrow_cache_is_read_as_xla_reads_it(isa, shape, dtype):
 def test_a_16_bit_cache_loses_only_its_rounding():
     """Against the float32 cache the 16-bit one was rounded from: float16's 11 bits keep
     attention's output within about 1e-3; bfloat16's 8 within about 1e-2."""
-    cfg, args = case(3, 3, 64, capacity=600 + ATTN_BLOCK, slots=5, positions=[7, 300, 599])
+    cfg, args = case(3, 3, 64, capacity=3 * ATTN_BLOCK, slots=5, positions=[7, 300, 599])
     exact, _ = both(cfg, args)
     for dtype, tolerance in ((jnp.float16, 2e-3), (jnp.bfloat16, 2e-2)):
         rounded, _ = both(cfg, sixteen_bit(args, dtype))
@@ -125,13 +141,13 @@ def test_queries_that_are_not_float32_take_the_xla_path():
     float32 queries only."""
     cfg, args = case(2, 2, 16, capacity=ATTN_BLOCK, slots=2, positions=[3])
     args = tuple(jnp.asarray(a, jnp.bfloat16) if a.dtype == np.float32 else a for a in args)
-    lowered = jax.jit(lambda *a: attend_rows(cfg, *a)).lower(*args).as_text()
+    lowered = jax.jit(lambda *a: attend_rows(cfg, *a)).lower(*held(args)).as_text()
     assert native.ATTEND_ROWS not in lowered
     f32 = tuple(jnp.asarray(a, jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args)
-    assert native.ATTEND_ROWS in jax.jit(lambda *a: attend_rows(cfg, *a)).lower(*f32).as_text()
+    assert native.ATTEND_ROWS in jax.jit(lambda *a: attend_rows(cfg, *a)).lower(*held(f32)).as_text()
     # prefill likewise
     def chunk(*a):
-        return jax.jit(lambda *a: attend_chunk(cfg, *a)).lower(*a).as_text()
+        return jax.jit(lambda *a: attend_chunk(cfg, *a)).lower(*held(a)).as_text()
 
     assert native.ATTEND_CHUNK not in chunk(*args[:5], 1, 3)
     assert native.ATTEND_CHUNK in chunk(*f32[:5], 1, 3)
@@ -140,7 +156,7 @@ def test_queries_that_are_not_float32_take_the_xla_path():
 def chunk_case(kv_heads, group, head_dim, tokens, history: bool, seed=0):
     rng = np.random.default_rng(seed)
     cfg = SimpleNamespace(n_kv_heads=kv_heads, group_size=group, head_dim=head_dim)
-    capacity = 600 + ATTN_BLOCK
+    capacity = 3 * ATTN_BLOCK
     q = rng.standard_normal((tokens, kv_heads * group, head_dim)).astype(np.float32)
     k, v = (rng.standard_normal((tokens, kv_heads, head_dim)).astype(np.float32) for _ in range(2))
     caches = (rng.standard_normal((3, kv_heads, head_dim, capacity)).astype(np.float32),
@@ -153,7 +169,7 @@ def chunk_both(cfg, q, k, v, caches, slot, offset):
         def attend(q, k, v, k_cache, v_cache, slot, offset):
             return attend_chunk(cfg, q, k, v, k_cache, v_cache, slot, offset, use_native=native_)
 
-        return np.asarray(jax.jit(attend)(q, k, v, *caches, slot, offset))
+        return np.asarray(jax.jit(attend)(q, k, v, blocked(caches[0]), caches[1], slot, offset))
 
     return run(True), run(False)
 
@@ -188,7 +204,7 @@ def test_an_8_bit_cache_loses_only_its_rounding():
     as the cache holds them): int8's 255 steps a vector keep attention's output within
     1e-2 of its largest value (measured 6e-3); fp8's 3 mantissa bits within 1e-1
     (measured 5e-2)."""
-    cfg, args = case(3, 3, 64, capacity=600 + ATTN_BLOCK, slots=5, positions=[7, 300, 599])
+    cfg, args = case(3, 3, 64, capacity=3 * ATTN_BLOCK, slots=5, positions=[7, 300, 599])
     exact, _ = both(cfg, args)
     for kind, tolerance in (("int8", 1e-2), ("fp8", 1e-1)):
         rounded, _ = both(cfg, eight_bit(args, kind))

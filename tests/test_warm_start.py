@@ -164,7 +164,7 @@ def test_the_plan_covers_every_size_a_request_can_use():
     geo = KVGeometry(n_slots=5, max_context=300, chunk=128)
     assert geo.decode_batches() == (1, 2, 4, 8)
     assert geo.prefill_chunks() == (16, 32, 64, 128)
-    assert geo.slot_widths() == (16, 32, 64, 128, 256, 512)
+    assert geo.slot_widths() == (64, 128, 256, 512)  # whole blocks of K (kv_layout.py)
     short = KVGeometry(n_slots=1, max_context=40, chunk=256)
     assert short.decode_batches() == (1,) and short.prefill_chunks() == (16, 32, 64)
     tiered = WarmupPlan.of(geo, pool_slots=6)

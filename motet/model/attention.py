@@ -2,8 +2,9 @@
 chunk, as XLA computations and as the native CPU kernels (kernels/attend_body.inc) that
 replace them where they were built.
 
-KV cache layout (forward.py): per layer, K [slots, kv_heads, head_dim, context] and V
-[slots, kv_heads, context, head_dim]. Dimension letters as in forward.py.
+KV cache layout: per layer, K [slots, kv_heads, context / KEY_BLOCK, head_dim, KEY_BLOCK]
+(kv_layout.py) and V [slots, kv_heads, context, head_dim]. Dimension letters as in
+forward.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import kv_quant, native
+from .kv_layout import KEY_BLOCK, keys_in_order
 
 F32 = jnp.float32
 # What the native kernels read a cache in: float32, or 16-bit floats widened as read, or
@@ -55,16 +57,18 @@ def _cache_operands(k_cache, v_cache) -> tuple:
 def _history_block(k_cache, v_cache, slot, j):
     """Block j of a slot's cache: K [k, d, ATTN_BLOCK], V [k, ATTN_BLOCK, d] (an 8-bit
     cache's widened to float32)."""
-    _, nk, hd, _ = k_cache.shape
+    _, nk, _, hd, _ = k_cache.shape
     start = j * ATTN_BLOCK
 
     def block(cache, at, size):
         return jax.lax.dynamic_slice(cache, (slot, *at), (1, *size))[0]
 
+    def keys(cache):
+        return keys_in_order(block(cache, (0, start // KEY_BLOCK, 0, 0), (nk, ATTN_BLOCK // KEY_BLOCK, hd, KEY_BLOCK)))
+
     if not kv_quant.quantized(k_cache):
-        kb = block(k_cache, (0, 0, start), (nk, hd, ATTN_BLOCK))
-        return start, kb, block(v_cache, (0, start, 0), (nk, ATTN_BLOCK, hd))
-    kb = kv_quant.dequantize(block(k_cache.values, (0, 0, start), (nk, hd, ATTN_BLOCK)),
+        return start, keys(k_cache), block(v_cache, (0, start, 0), (nk, ATTN_BLOCK, hd))
+    kb = kv_quant.dequantize(keys(k_cache.values),
                              block(k_cache.scales, (0, start), (nk, ATTN_BLOCK)), axis=1)
     vb = kv_quant.dequantize(block(v_cache.values, (0, start, 0), (nk, ATTN_BLOCK, hd)),
                              block(v_cache.scales, (0, start), (nk, ATTN_BLOCK)), axis=2)
@@ -72,11 +76,11 @@ def _history_block(k_cache, v_cache, slot, j):
 
 
 def _whole_history(k_cache, v_cache, slots):
-    """Every cached position of each slot in `slots`: K [b, k, d, l], V [b, k, l, d] (an
-    8-bit cache's widened to float32)."""
+    """Every cached position of each slot in `slots`, K in order: K [b, k, d, l], V [b,
+    k, l, d] (an 8-bit cache's widened to float32)."""
     if not kv_quant.quantized(k_cache):
-        return k_cache[slots], v_cache[slots]
-    return (kv_quant.dequantize(k_cache.values[slots], k_cache.scales[slots], axis=2),
+        return keys_in_order(k_cache[slots]), v_cache[slots]
+    return (kv_quant.dequantize(keys_in_order(k_cache.values[slots]), k_cache.scales[slots], axis=2),
             kv_quant.dequantize(v_cache.values[slots], v_cache.scales[slots], axis=3))
 
 
@@ -107,7 +111,7 @@ def attend_chunk(cfg, q, k, v, k_cache, v_cache, slot, offset, use_native: bool 
         cpu = partial(_attend_chunk_xla, cfg, whole=False)
         return jax.lax.platform_dependent(q, k, v, k_cache, v_cache, slot, offset, cpu=cpu, default=whole)
     if not history:  # the kernel reads no cache; these stand in for it
-        k_cache = v_cache = jnp.zeros((1, 1, 1, 1), F32)
+        k_cache, v_cache = jnp.zeros((1,) * 5, F32), jnp.zeros((1,) * 4, F32)
     args = (q, k, v, k_cache, v_cache, slot, offset)
     return jax.lax.platform_dependent(
         *args, cpu=partial(_attend_chunk_native, cfg, history),
@@ -158,7 +162,7 @@ def _attend_chunk_xla(cfg, q, k, v, k_cache, v_cache, slot, offset, whole: bool 
 
 def attend_rows(cfg, q, k, v, k_cache, v_cache, slots, positions, use_native: bool | None = None):
     """One new token per row b, at positions[b] of slot slots[b], over that slot's cached
-    positions < positions[b] (K [slots, k, d, l], V [slots, k, l, d]).
+    positions < positions[b].
 
     On the CPU, float32 queries over a float32 or 16-bit cache go to the native kernel
     (kernels/attend_body.inc) where it was built: XLA's loops below cost a third of a

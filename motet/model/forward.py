@@ -1,8 +1,9 @@
 """The forward pass as pure functions of (config, weights, inputs, KV cache).
 
-KV cache: per layer, K [slots, kv_heads, head_dim, context] and V [slots, kv_heads,
-context, head_dim]. Head-major avoids a per-step transpose; K stored transposed makes
-q·K a plain matmul over contiguous rows, the fastest form measured on XLA:CPU. The step
+KV cache: per layer, K [slots, kv_heads, context / KEY_BLOCK, head_dim, KEY_BLOCK]
+(kv_layout.py: blocks of positions, each block transposed) and V [slots, kv_heads,
+context, head_dim]. Head-major avoids a per-step transpose; K transposed makes q·K a
+sum of vectors of positions, the fastest form measured on XLA:CPU and natively. The step
 functions only *read* the cache and return the new rows; kv_writes.py stores them.
 
 Dimension letters: t tokens, b batch rows, h query heads, k KV heads, g query heads per

@@ -20,8 +20,10 @@ from ..runtime.kv_format import KV_DTYPE_CHOICES, SCALED_KV, kv_row_bytes
 from . import kv_quant, kv_writes
 from .attention import ATTN_BLOCK
 from .config import ModelConfig
+from .kv_layout import KEY_BLOCK, key_shape, keys_in_blocks, keys_in_order
 
 MIN_BUCKET = 16
+assert ATTN_BLOCK % KEY_BLOCK == 0
 
 
 def bucket(n: int, cap: int | None = None) -> int:
@@ -41,8 +43,9 @@ def batch_bucket(n: int) -> int:
 
 def slot_width(tokens: int, length: int) -> int:
     """How many positions of a slot move when `tokens` of them are read or written: a
-    power of two (so a long context adds few sizes), at most the cache's length."""
-    return min(batch_bucket(max(tokens, MIN_BUCKET)), length)
+    power of two (so a long context adds few sizes) of whole K blocks, at most the
+    cache's length."""
+    return min(batch_bucket(max(tokens, KEY_BLOCK)), length)
 
 
 @dataclass(frozen=True)
@@ -53,12 +56,12 @@ class KVGeometry:
 
     @property
     def length(self) -> int:
-        """Positions a slot holds: the context, rounded up to whole attention blocks
-        (the XLA path reads a block at a time, forward.ATTN_BLOCK), and at least the
-        longest padded chunk. A padded chunk's rows past the end are dropped as it is
-        written (forward.write_chunk)."""
-        blocks = -(-self.max_context // ATTN_BLOCK) * ATTN_BLOCK
-        return max(blocks, max(self.prefill_chunks(), default=0))
+        """Positions a slot holds: the context, and at least the longest padded chunk,
+        rounded up to whole attention blocks (the XLA path reads a block at a time,
+        attention.ATTN_BLOCK, which holds whole K blocks). A padded chunk's rows past the
+        end are dropped as it is written (kv_writes.write_chunk)."""
+        held = max(self.max_context, max(self.prefill_chunks(), default=0))
+        return -(-held // ATTN_BLOCK) * ATTN_BLOCK
 
     @property
     def scratch_slot(self) -> int:
@@ -102,12 +105,12 @@ def kv_bytes_per_position(cfg: ModelConfig, dtype: str) -> int:
 
 
 def init_kv(cfg: ModelConfig, geo: KVGeometry, dtype: str = "float32", sharding=None):
-    """Zeroed caches, per layer: K [slots + 1, kv_heads, head_dim, length] and
-    V [slots + 1, kv_heads, length, head_dim] (see forward.py); an 8-bit dtype makes
+    """Zeroed caches, per layer: K [slots + 1, kv_heads, length / KEY_BLOCK, head_dim,
+    KEY_BLOCK] (kv_layout.py) and V [slots + 1, kv_heads, length, head_dim]; an 8-bit dtype makes
     each a kv_quant.QuantizedCache of those values and their scales. sharding: where they
     live (on a mesh: sharding.kv_sharding, split along kv_heads); None: the default device."""
     slots = geo.n_slots + 1
-    k_shape = (slots, cfg.n_kv_heads, cfg.head_dim, geo.length)
+    k_shape = key_shape(slots, cfg.n_kv_heads, cfg.head_dim, geo.length)
     v_shape = (slots, cfg.n_kv_heads, geo.length, cfg.head_dim)
 
     fill = partial(kv_writes.cache_zeros, sharding=sharding)
@@ -154,7 +157,7 @@ def read_slot_layer(kv, layer: int, slot: int, tokens: int) -> tuple[np.ndarray,
     k, v = kv
     # A bucketed width comes over (a few compiled slices cover every length), then numpy
     # cuts it to size.
-    k_rows, v_rows = _take_layer(k[layer], v[layer], slot, width=slot_width(tokens, k[layer].shape[-1]))
+    k_rows, v_rows = _take_layer(k[layer], v[layer], slot, width=slot_width(tokens, v[layer].shape[2]))
     if kv_quant.quantized(k_rows):
         return (kv_quant.pack_rows(_keys_on_host(k_rows.values, tokens), _scales_on_host(k_rows.scales, tokens)),
                 kv_quant.pack_rows(_values_on_host(v_rows.values, tokens), _scales_on_host(v_rows.scales, tokens)))
@@ -175,17 +178,20 @@ def _scales_on_host(s, tokens: int) -> np.ndarray:  # [kv_heads, width] → [tok
 
 @partial(jax.jit, static_argnames=("width",))
 def _take_layer(k_layer, v_layer, slot, *, width: int):
-    """A slot's first `width` positions of one layer: K [kv_heads, head_dim, width], V
-    [kv_heads, width, head_dim] (and an 8-bit cache's scales, [kv_heads, width]). The
-    slot is traced, so one compile serves every slot."""
+    """A slot's first `width` positions (whole K blocks) of one layer: K [kv_heads,
+    head_dim, width], V [kv_heads, width, head_dim] (and an 8-bit cache's scales,
+    [kv_heads, width]). The slot is traced, so one compile serves every slot."""
 
-    def take(x, axis):  # axis: the positions', once the slot's is gone
-        return jax.lax.slice_in_dim(jax.lax.dynamic_index_in_dim(x, slot, keepdims=False), 0, width, axis=axis)
+    def take(x, axis, size=width):  # axis: the positions', once the slot's is gone
+        return jax.lax.slice_in_dim(jax.lax.dynamic_index_in_dim(x, slot, keepdims=False), 0, size, axis=axis)
+
+    def keys(x):
+        return keys_in_order(take(x, 1, width // KEY_BLOCK))
 
     if kv_quant.quantized(k_layer):
-        return (kv_quant.QuantizedCache(take(k_layer.values, 2), take(k_layer.scales, 1)),
+        return (kv_quant.QuantizedCache(keys(k_layer.values), take(k_layer.scales, 1)),
                 kv_quant.QuantizedCache(take(v_layer.values, 1), take(v_layer.scales, 1)))
-    return take(k_layer, 2), take(v_layer, 1)
+    return keys(k_layer), take(v_layer, 1)
 
 
 def _on_host(x) -> np.ndarray:
@@ -200,20 +206,21 @@ def _on_host(x) -> np.ndarray:
 
 @partial(jax.jit, donate_argnums=(0, 1))
 def _put_layer(k_layer, v_layer, k_rows, v_rows, slot):
-    """Host rows [t, kv_heads, head_dim] (an 8-bit cache's as QuantizedCache(values,
-    scales [t, kv_heads])) at positions 0.. of `slot`."""
+    """Host rows [t, kv_heads, head_dim] (t whole K blocks; an 8-bit cache's as
+    QuantizedCache(values, scales [t, kv_heads])) at positions 0.. of `slot`."""
 
-    def put(cache, rows, order):
-        rows = rows.transpose(order)[None].astype(cache.dtype)
+    def put(cache, rows, order, arrange=lambda x: x):
+        rows = arrange(rows.transpose(order))[None].astype(cache.dtype)
         return jax.lax.dynamic_update_slice(cache, rows, (slot,) + (0,) * (cache.ndim - 1))
 
-    def put_layer(cache, rows, order):
+    def put_layer(cache, rows, order, arrange=lambda x: x):
         if not kv_quant.quantized(cache):
-            return put(cache, rows, order)
-        return kv_quant.QuantizedCache(put(cache.values, rows.values, order), put(cache.scales, rows.scales, (1, 0)))
+            return put(cache, rows, order, arrange)
+        return kv_quant.QuantizedCache(put(cache.values, rows.values, order, arrange),
+                                       put(cache.scales, rows.scales, (1, 0)))
 
-    # to [kv_heads, head_dim, t] and [kv_heads, t, head_dim]
-    return put_layer(k_layer, k_rows, (1, 2, 0)), put_layer(v_layer, v_rows, (1, 0, 2))
+    # to [kv_heads, blocks, head_dim, KEY_BLOCK] and [kv_heads, t, head_dim]
+    return put_layer(k_layer, k_rows, (1, 2, 0), keys_in_blocks), put_layer(v_layer, v_rows, (1, 0, 2))
 
 
 def write_slot_layer(kv, geo: KVGeometry, layer: int, slot: int, k_rows: np.ndarray, v_rows: np.ndarray):

@@ -33,8 +33,8 @@ assert tuple(_SCALED) == SCALED_KV
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class QuantizedCache:
-    """One layer's K or V: values K [slots, kv_heads, head_dim, length] or V [slots,
-    kv_heads, length, head_dim] (as the float caches; int8, or fp8's bit patterns as
+    """One layer's K or V: values K [slots, kv_heads, blocks, head_dim, KEY_BLOCK]
+    (kv_layout.py) or V [slots, kv_heads, length, head_dim] (as the float caches; int8, or fp8's bit patterns as
     uint8), scales [slots, kv_heads, length]."""
 
     values: jax.Array | np.ndarray  # host arrays on their way to the device too

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import kv_quant, native
+from .kv_layout import KEY_BLOCK
 
 _CACHE_TYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 
@@ -137,31 +138,15 @@ def _write_scaled(k_cache, v_cache, new_k, new_v, slots, positions, *, chunk: bo
 
 @partial(jax.jit, donate_argnums=(0, 1))
 def _write_chunk_xla(k_cache, v_cache, new_k, new_v, slot, offset):
-    """write_chunk in XLA: a window of the chunk's length clamped into the cache, the
-    rows before `offset` kept as they were."""
-
-    def put(cache, rows, axis):
-        rows = rows[None].astype(cache.dtype)
-        t, length = rows.shape[axis], cache.shape[axis]
-        # A write clamped to the end moves back by `shift`: the chunk's rows then start
-        # `shift` rows into the window, after the window's own old rows.
-        start = jnp.minimum(offset, length - t)
-        shift = offset - start
-        at = [slot] + [0] * (cache.ndim - 1)
-        at[axis] = start
-        old = jax.lax.dynamic_slice(cache, at, rows.shape)
-        placed = jnp.roll(rows, shift, axis=axis)
-        keep = (jnp.arange(t) < shift).reshape([t if a == axis else 1 for a in range(cache.ndim)])
-        return jax.lax.dynamic_update_slice(cache, jnp.where(keep, old, placed), at)
-
-    def store(cache, rows, axis, dim):  # dim: head_dim's axis in `rows` [k, d, t] or [k, t, d]
-        if not kv_quant.quantized(cache):
-            return put(cache, rows, axis)
-        values, scales = kv_quant.quantize(rows, cache.kind, dim)
-        return kv_quant.QuantizedCache(put(cache.values, values, axis), put(cache.scales, scales, 2))
-
-    return ([store(c, r, 3, 1) for c, r in zip(k_cache, new_k)],
-            [store(c, r, 2, 2) for c, r in zip(v_cache, new_v)])
+    """write_chunk in XLA: token j at position offset + j, one past the cache's end
+    dropped."""
+    t = new_k[0].shape[-1]
+    slots = jnp.full((t,), slot, jnp.int32)
+    positions = offset + jnp.arange(t, dtype=jnp.int32)
+    # as decode rows, [t, k, d]
+    new_k = [k.transpose(2, 0, 1) for k in new_k]
+    new_v = [v.transpose(1, 0, 2) for v in new_v]
+    return _write_rows_xla(k_cache, v_cache, new_k, new_v, slots, positions)
 
 
 @partial(jax.jit, donate_argnums=(0, 1))
@@ -171,12 +156,13 @@ def _write_rows_xla(k_cache, v_cache, new_k, new_v, slots, positions):
             return _put_rows(cache, rows.astype(cache.dtype), slots, positions, key)
         values, scales = kv_quant.quantize(rows, cache.kind, 2)
         return kv_quant.QuantizedCache(_put_rows(cache.values, values, slots, positions, key),
-                                       cache.scales.at[slots, :, positions].set(scales))
+                                       cache.scales.at[slots, :, positions].set(scales, mode="drop"))
 
     return [store(c, r, True) for c, r in zip(k_cache, new_k)], [store(c, r, False) for c, r in zip(v_cache, new_v)]
 
 
 def _put_rows(cache, rows, slots, positions, key: bool):
-    if key:  # K [slots, k, d, l]
-        return cache.at[slots, :, :, positions].set(rows)
-    return cache.at[slots, :, positions].set(rows)
+    """Row b at (slots[b], positions[b]); one past the cache's end is dropped."""
+    if key:  # K [slots, k, blocks, d, KEY_BLOCK] (kv_layout.py)
+        return cache.at[slots, :, positions // KEY_BLOCK, :, positions % KEY_BLOCK].set(rows, mode="drop")
+    return cache.at[slots, :, positions].set(rows, mode="drop")

@@ -47,8 +47,8 @@ LEAF_SPECS = {
     "experts_gate_up": P(EP, None, TP),
     "experts_down": P(EP, TP, None),
 }
-# The KV cache, K [slots, kv_heads, head_dim, length] and V [slots, kv_heads, length,
-# head_dim]: both split along kv_heads (an 8-bit cache's scales [slots, kv_heads, length]
+# The KV cache, K [slots, kv_heads, blocks, head_dim, KEY_BLOCK] (kv_layout.py) and V
+# [slots, kv_heads, length, head_dim]: both split along kv_heads (an 8-bit cache's scales [slots, kv_heads, length]
 # too: the spec names the first two axes only).
 KV_SPEC = P(None, TP)
 

@@ -39,10 +39,11 @@ ffi::Error KvZeros(ffi::RemainingRets rets) {
 
 // The first `positions` positions of slot `from` copied over slot `to`'s, in every cache
 // given (aliased to the results): a prompt's prefix another slot holds. The caches come
-// as kv_write's (K [slots, kv_heads, head_dim, capacity] for layers 0 .. layers - 1,
-// then V [slots, kv_heads, capacity, head_dim]), then an 8-bit cache's scales [slots,
-// kv_heads, capacity]. A slot's positions are then `outer` runs of positions * inner
-// elements each. XLA's copy took the whole slot, and so touched every page of the
+// as kv_write's (K [slots, kv_heads, blocks, head_dim, KEY_BLOCK] for layers 0 .. layers
+// - 1, then V [slots, kv_heads, capacity, head_dim]), then an 8-bit cache's scales
+// [slots, kv_heads, capacity]. A (slot, head)'s positions are one run in each, K's in
+// whole blocks: the copy takes the blocks that hold the prefix, V and the scales just
+// its positions. XLA's copy took the whole slot, and so touched every page of the
 // target's V however short the prefix.
 ffi::Error KvCopy(ffi::Buffer<ffi::S32> where, ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t layers) {
   if (where.element_count() != 3 || args.size() != rets.size())
@@ -52,18 +53,20 @@ ffi::Error KvCopy(ffi::Buffer<ffi::S32> where, ffi::RemainingArgs args, ffi::Rem
     auto cache = rets.get<ffi::AnyBuffer>(i);
     if (cache.has_error()) return ffi::Error::InvalidArgument("kv_copy: a cache is not a buffer");
     const auto d = (*cache)->dimensions();
-    const bool values = d.size() == 4, is_k = values && static_cast<int64_t>(i) < layers;
-    if ((!values && d.size() != 3) || from < 0 || to < 0 || from >= d[0] || to >= d[0])
-      return ffi::Error::InvalidArgument("kv_copy: caches of rank 4 (values) or 3 (scales), slots in range");
-    // [slots, outer, capacity, inner]
-    const int64_t outer = is_k ? d[1] * d[2] : d[1], capacity = is_k ? d[3] : d[2];
-    const int64_t inner = values && !is_k ? d[3] : 1;
-    const int64_t positions = std::min(static_cast<int64_t>(std::max(where.typed_data()[2], 0)), capacity);
-    const size_t element = (*cache)->size_bytes() / static_cast<size_t>(d[0] * outer * capacity * inner);
+    const bool is_k = static_cast<int64_t>(i) < layers;
+    const size_t rank = is_k ? 5 : static_cast<int64_t>(i) < 2 * layers ? 4 : 3;
+    if (d.size() != rank || from < 0 || to < 0 || from >= d[0] || to >= d[0])
+      return ffi::Error::InvalidArgument("kv_copy: caches of rank 5 (K), 4 (V) or 3 (scales), slots in range");
+    // a (slot, head)'s run: `capacity` positions of `inner` elements, K's by blocks
+    const int64_t capacity = is_k ? d[2] * d[4] : d[2];
+    const int64_t inner = rank == 3 ? 1 : d[3];  // head_dim
+    int64_t positions = std::min(static_cast<int64_t>(std::max(where.typed_data()[2], 0)), capacity);
+    if (is_k) positions = (positions + d[4] - 1) / d[4] * d[4];
+    const size_t element = (*cache)->size_bytes() / static_cast<size_t>(d[0] * d[1] * capacity * inner);
     uint8_t* data = static_cast<uint8_t*>((*cache)->untyped_data());
     const size_t run = static_cast<size_t>(positions * inner) * element, stride = capacity * inner * element;
-    for (int64_t o = 0; o < outer; ++o)
-      std::memmove(data + (to * outer + o) * stride, data + (from * outer + o) * stride, run);
+    for (int64_t head = 0; head < d[1]; ++head)
+      std::memmove(data + (to * d[1] + head) * stride, data + (from * d[1] + head) * stride, run);
   }
   return ffi::Error::Success();
 }

@@ -9,9 +9,11 @@
 //   chunk  K [kv_heads, head_dim, t] and V [kv_heads, t, head_dim]: token j at position
 //          positions[0] + j of slot slots[0]
 // A position past the cache's end is dropped (a padded chunk's tail, as XLA's write).
-// Caches (forward.py): K [slots, kv_heads, head_dim, capacity], V [slots, kv_heads,
-// capacity, head_dim], all of one element type: float32, IEEE half or bfloat16, the new
+// Caches: K in blocks of positions (kv_layout.py, qmatmul.h's key_offset) [slots,
+// kv_heads, capacity / KEY_BLOCK, head_dim, KEY_BLOCK], V [slots, kv_heads, capacity,
+// head_dim], all of one element type: float32, IEEE half or bfloat16, the new
 // float32 values rounded to the nearest (ties to even) as XLA's conversion rounds them.
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -134,16 +136,17 @@ struct Where {
     return w;
   }
 
-  // From layer 0's K cache [slots, heads, dim, capacity] and new K.
+  // From layer 0's K cache [slots, heads, blocks, dim, KEY_BLOCK] and new K.
   void take(ffi::Span<const int64_t> kd, ffi::Span<const int64_t> nd) {
-    n_slots = kd[0], heads = kd[1], dim = kd[2], capacity = kd[3];
+    n_slots = kd[0], heads = kd[1], dim = kd[3], capacity = kd[2] * kd[4];
     count = chunk ? nd[2] : nd[0];
   }
 
   // Whether a layer's K and V caches and new rows have this geometry.
   bool fits(ffi::Span<const int64_t> kd, ffi::Span<const int64_t> vd, ffi::Span<const int64_t> nd,
             int64_t slot_count, int64_t position_count) const {
-    const bool caches = kd[0] == n_slots && kd[1] == heads && kd[2] == dim && kd[3] == capacity &&
+    const bool caches = kd[0] == n_slots && kd[1] == heads && kd[3] == dim && kd[4] == motet_qmatmul::KEY_BLOCK &&
+                        kd[2] * kd[4] == capacity &&
                         vd[0] == n_slots && vd[1] == heads && vd[2] == capacity && vd[3] == dim;
     if (chunk)
       return caches && nd[0] == heads && nd[1] == dim && nd[2] == count && slot_count == 1 && position_count == 1;
@@ -174,13 +177,19 @@ void write_layer(void* arg, int64_t layer) {
   const Write& w = *static_cast<const Write*>(arg);
   const LayerWrite& l = w.layers[layer];
   const int64_t heads = w.at.heads, dim = w.at.dim, capacity = w.at.capacity, size = w.size, count = w.at.count;
-  if (w.at.chunk) {  // K [h, d, t]: each (h, d) row's tokens are contiguous in the cache too; V [h, t, d]
+  if (w.at.chunk) {  // K [h, d, t]: each (h, d) row's tokens are contiguous within a cache block too; V [h, t, d]
     const int64_t slot = w.at.slots[0], offset = w.at.positions[0], valid = w.at.chunk_tokens();
     if (valid <= 0) return;  // nothing in the cache: all dropped
     for (int64_t h = 0; h < heads; ++h) {
-      for (int64_t d = 0; d < dim; ++d)
-        store(l.k_new + (h * dim + d) * count, valid, w.type,
-              l.k_cache + (((slot * heads + h) * dim + d) * capacity + offset) * size);
+      char* keys = l.k_cache + (slot * heads + h) * dim * capacity * size;
+      for (int64_t j = 0; j < valid;) {  // a run of tokens within one block
+        const int64_t position = offset + j;
+        const int64_t run = std::min(valid - j, motet_qmatmul::KEY_BLOCK - position % motet_qmatmul::KEY_BLOCK);
+        for (int64_t d = 0; d < dim; ++d)
+          store(l.k_new + (h * dim + d) * count + j, run, w.type,
+                keys + (motet_qmatmul::key_offset(position, dim) + d * motet_qmatmul::KEY_BLOCK) * size);
+        j += run;
+      }
       store(l.v_new + h * count * dim, valid * dim, w.type, l.v_cache + ((slot * heads + h) * capacity + offset) * dim * size);
     }
     return;
@@ -189,8 +198,8 @@ void write_layer(void* arg, int64_t layer) {
     if (!w.at.row_lands(r)) continue;  // dropped
     const int64_t slot = w.at.slots[r], position = w.at.positions[r];
     for (int64_t h = 0; h < heads; ++h) {
-      store_column(l.k_new + (r * heads + h) * dim, dim, capacity, w.type,
-                   l.k_cache + ((slot * heads + h) * dim * capacity + position) * size);
+      store_column(l.k_new + (r * heads + h) * dim, dim, motet_qmatmul::KEY_BLOCK, w.type,
+                   l.k_cache + ((slot * heads + h) * dim * capacity + motet_qmatmul::key_offset(position, dim)) * size);
       store(l.v_new + (r * heads + h) * dim, dim, w.type, l.v_cache + ((slot * heads + h) * capacity + position) * dim * size);
     }
   }
@@ -213,7 +222,7 @@ ffi::Error KvWrite(ffi::ThreadPool threads, ffi::Buffer<ffi::S32> slots, ffi::Bu
     ffi::AnyBuffer& v_cache = **v_out;
     const auto kd = k_cache.dimensions(), vd = v_cache.dimensions(), nd = k_new->dimensions();
     const ffi::DataType type = k_cache.element_type();
-    if (kd.size() != 4 || vd.size() != 4 || nd.size() != 3 || v_cache.element_type() != type ||
+    if (kd.size() != 5 || vd.size() != 4 || nd.size() != 3 || v_cache.element_type() != type ||
         (type != ffi::DataType::F32 && type != ffi::DataType::F16 && type != ffi::DataType::BF16))
       return ffi::Error::InvalidArgument("kv_write: bad cache ranks or element types");
     if (layer == 0) {
@@ -238,7 +247,7 @@ ffi::Error KvWrite(ffi::ThreadPool threads, ffi::Buffer<ffi::S32> slots, ffi::Bu
 // bit patterns as uint8.
 
 struct ScaledLayer {
-  uint8_t* k_values;  // [slots, heads, dim, capacity]
+  uint8_t* k_values;  // [slots, heads, capacity / KEY_BLOCK, dim, KEY_BLOCK]
   uint8_t* v_values;  // [slots, heads, capacity, dim]
   float* k_scales;    // [slots, heads, capacity]
   float* v_scales;
@@ -259,8 +268,8 @@ void write_scaled_layer(void* arg, int64_t layer) {
   // one position j of head h of a slot: its K column, its V row and its scales
   auto store = [&](int64_t slot, int64_t h, int64_t position, const float* k, int64_t k_stride, const float* v) {
     const int64_t at = (slot * heads + h) * capacity + position;
-    uint8_t* k_column = l.k_values + (slot * heads + h) * dim * capacity + position;
-    l.k_scales[at] = motet_qmatmul::quantize_vector(k, k_stride, dim, w.elem, k_column, capacity);
+    uint8_t* k_column = l.k_values + (slot * heads + h) * dim * capacity + motet_qmatmul::key_offset(position, dim);
+    l.k_scales[at] = motet_qmatmul::quantize_vector(k, k_stride, dim, w.elem, k_column, motet_qmatmul::KEY_BLOCK);
     l.v_scales[at] = motet_qmatmul::quantize_vector(v, 1, dim, w.elem, l.v_values + at * dim, 1);
   };
   if (w.at.chunk) {  // K [h, d, t], V [h, t, d]
@@ -297,7 +306,7 @@ ffi::Error KvWriteScaled(ffi::ThreadPool threads, ffi::Buffer<ffi::S32> slots, f
       return ffi::Error::InvalidArgument("kv_write_scaled: the scales and the new rows must be float32");
     const auto kd = (*k)->dimensions(), vd = (*v)->dimensions(), nd = k_new->dimensions();
     const auto type = (*k)->element_type();
-    if (kd.size() != 4 || vd.size() != 4 || nd.size() != 3 || (*v)->element_type() != type ||
+    if (kd.size() != 5 || vd.size() != 4 || nd.size() != 3 || (*v)->element_type() != type ||
         (type != ffi::DataType::S8 && type != ffi::DataType::U8) ||
         (layer > 0 && (type == ffi::DataType::S8) != (w.elem == motet_qmatmul::I8)))
       return ffi::Error::InvalidArgument("kv_write_scaled: bad cache ranks or element types");

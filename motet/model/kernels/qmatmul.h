@@ -88,9 +88,18 @@ struct Parallel {
 // Parallel's for_each on XLA's intra-op pool (pool: an xla::ffi::ThreadPool).
 void for_each_on_pool(void* pool, int64_t units, Task task, void* arg);
 
+// A K cache holds each (slot, KV head)'s positions in blocks of KEY_BLOCK, a block
+// [head_dim, KEY_BLOCK] (kv_layout.py): position p of dimension d lies at
+// key_offset(p, head_dim) + d * KEY_BLOCK from the (slot, head)'s first key, which is
+// (slot * kv_heads + head) * head_dim * capacity in, as V's first row is.
+constexpr int64_t KEY_BLOCK = 64;
+inline int64_t key_offset(int64_t position, int64_t head_dim) {
+  return position / KEY_BLOCK * KEY_BLOCK * head_dim + position % KEY_BLOCK;
+}
+
 // Decode attention (attend_body.inc): each row's new query heads over its slot's
 // cached positions < position[row] and over the row's own new key and value. The
-// layouts are forward.py's: queries grouped by KV head, K cached transposed.
+// layouts are forward.py's: queries grouped by KV head, K cached in blocks (above).
 struct Attention {
   int64_t rows, kv_heads, group, head_dim;
   int64_t slots, capacity;  // the cache's slots and positions
@@ -98,7 +107,7 @@ struct Attention {
   const float* q;           // [rows, kv_heads, group, head_dim]
   const float* k_new;       // [rows, kv_heads, head_dim]
   const float* v_new;       // [rows, kv_heads, head_dim]
-  const void* k_cache;      // [slots, kv_heads, head_dim, capacity] of cache_elem
+  const void* k_cache;      // [slots, kv_heads, capacity / KEY_BLOCK, head_dim, KEY_BLOCK] of cache_elem
   const void* v_cache;      // [slots, kv_heads, capacity, head_dim] of cache_elem
   int cache_elem;
   const float* k_scales;    // [slots, kv_heads, capacity] where scaled(cache_elem)
@@ -163,7 +172,7 @@ struct ChunkAttention {
   int64_t slots, capacity;
   float scale;
   const float* q;        // [tokens, kv_heads, group, head_dim]
-  const float* k_chunk;  // [kv_heads, head_dim, tokens]: transposed, as the cache keeps K
+  const float* k_chunk;  // [kv_heads, head_dim, tokens]: transposed, as a cache's block keeps K
   const float* v_chunk;  // [kv_heads, tokens, head_dim]
   const void* k_cache;   // as Attention's, or null
   const void* v_cache;

@@ -213,7 +213,8 @@ bool scales_fit(int elem, const ffi::Buffer<ffi::F32>& k, const ffi::Buffer<ffi:
 }
 
 // Decode attention (qmatmul.h's Attention): q [rows, kv_heads, group, head_dim], the
-// rows' new K and V [rows, kv_heads, head_dim], the caches and their scales (any size
+// rows' new K and V [rows, kv_heads, head_dim], the caches (K in blocks of KEY_BLOCK
+// positions, [slots, kv_heads, blocks, head_dim, KEY_BLOCK]) and their scales (any size
 // under a float cache), slots and positions [rows].
 ffi::Error AttendRows(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
                       ffi::Buffer<ffi::F32> v_new, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
@@ -221,10 +222,10 @@ ffi::Error AttendRows(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Buf
                       ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> positions,
                       ffi::ResultBuffer<ffi::F32> out, float scale) {
   const auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) return ffi::Error::InvalidArgument("attend_rows: bad ranks");
+  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 4) return ffi::Error::InvalidArgument("attend_rows: bad ranks");
   const int64_t rows = qd[0], heads = qd[1], group = qd[2], hd = qd[3];
-  const int64_t cached = kd[0], capacity = kd[3];
-  if (kd[1] != heads || kd[2] != hd || vd[0] != cached || vd[1] != heads || vd[2] != capacity ||
+  const int64_t cached = kd[0], capacity = kd[2] * kd[4];
+  if (kd[1] != heads || kd[3] != hd || kd[4] != motet_qmatmul::KEY_BLOCK || vd[0] != cached || vd[1] != heads || vd[2] != capacity ||
       vd[3] != hd || static_cast<int64_t>(k_new.element_count()) != rows * heads * hd ||
       v_new.element_count() != k_new.element_count() || static_cast<int64_t>(slots.element_count()) != rows ||
       positions.element_count() != slots.element_count() || out->element_count() != q.element_count() ||
@@ -253,19 +254,19 @@ ffi::Error AttendChunk(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Bu
                        float scale, int64_t has_history) {
   const auto qd = q.dimensions(), kd = k_chunk.dimensions(), vd = v_chunk.dimensions();
   const auto cd = k_cache.dimensions(), cv = v_cache.dimensions();
-  if (qd.size() != 4 || kd.size() != 3 || vd.size() != 3 || cd.size() != 4 || cv.size() != 4)
+  if (qd.size() != 4 || kd.size() != 3 || vd.size() != 3 || cd.size() != 5 || cv.size() != 4)
     return ffi::Error::InvalidArgument("attend_chunk: bad ranks");
-  const int64_t t = qd[0], heads = qd[1], group = qd[2], hd = qd[3];
+  const int64_t t = qd[0], heads = qd[1], group = qd[2], hd = qd[3], capacity = cd[2] * cd[4];
   if (kd[0] != heads || kd[1] != hd || kd[2] != t || vd[0] != heads || vd[1] != t || vd[2] != hd ||
       slot.element_count() != 1 || offset.element_count() != 1 || out->element_count() != q.element_count() ||
-      (has_history && (cd[0] < 1 || cd[1] != heads || cd[2] != hd || cv[0] != cd[0] || cv[1] != heads ||
-                       cv[2] != cd[3] || cv[3] != hd)))
+      (has_history && (cd[0] < 1 || cd[1] != heads || cd[3] != hd || cd[4] != motet_qmatmul::KEY_BLOCK ||
+                       cv[0] != cd[0] || cv[1] != heads || cv[2] != capacity || cv[3] != hd)))
     return ffi::Error::InvalidArgument("attend_chunk: shapes do not agree");
   const int elem = cache_elem(k_cache, v_cache);
   if (elem < 0) return ffi::Error::InvalidArgument(CACHE_TYPES("attend_chunk"));
-  if (has_history && !scales_fit(elem, k_scales, v_scales, cd[0] * heads * cd[3]))
+  if (has_history && !scales_fit(elem, k_scales, v_scales, cd[0] * heads * capacity))
     return ffi::Error::InvalidArgument("attend_chunk: an 8-bit cache's scales are not [slots, kv_heads, capacity]");
-  const motet_qmatmul::ChunkAttention a{t, heads, group, hd, cd[0], cd[3], scale,
+  const motet_qmatmul::ChunkAttention a{t, heads, group, hd, cd[0], capacity, scale,
                                         q.typed_data(), k_chunk.typed_data(), v_chunk.typed_data(),
                                         has_history ? k_cache.untyped_data() : nullptr,
                                         has_history ? v_cache.untyped_data() : nullptr, elem,
