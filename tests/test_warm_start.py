@@ -11,11 +11,14 @@ import sys
 from functools import partial
 
 import httpx
+import numpy as np
 import openai
 import trio
-from conftest import GOLDEN, REPO, metric
+from conftest import GOLDEN, REPO, TINY_GEO, metric
 
-from motet.actors.warmup import WarmupPlan
+from motet.actors.runner import ModelRunner
+from motet.actors.step_rows import FILLER_ROW
+from motet.actors.warmup import WarmupPlan, warm_up
 from motet.engines.engine import Engine
 from motet.engines.mux_engine import MuxEngine
 from motet.model.kv import KVGeometry
@@ -169,3 +172,19 @@ def test_the_plan_covers_every_size_a_request_can_use():
     assert short.decode_batches() == (1,) and short.prefill_chunks() == (16, 32, 64)
     tiered = WarmupPlan.of(geo, pool_slots=6)
     assert [s.size for s in tiered.shapes if s.kind == "experts"] == [1, 2, 4, 8]
+
+
+def test_the_warm_up_leaves_a_cache_and_history_no_conversation_wrote(tiny_model):
+    """The warm-up runs every shape on the scratch slot, then makes the KV cache and the
+    samplers' history anew: untouched zeros, whose pages count in the resident set only
+    once a conversation writes them (kv_writes.cache_zeros)."""
+    runner = ModelRunner(tiny_model("qwen3_moe"), TINY_GEO)
+    warm_up(runner, WarmupPlan.of(TINY_GEO), lambda *_: None)
+    scratch = TINY_GEO.scratch_slot
+    k, v = runner.kv
+    assert not any(np.asarray(layer[scratch]).any() for layer in k + v)
+    assert not any(np.asarray(rows).any() for rows in runner.history)
+    # and the cache serves as before
+    token = runner.prefill(0, [5, 6, 7], 0, FILLER_ROW)[0].token
+    assert 0 <= token < runner.model.config.vocab_size
+    assert np.asarray(runner.kv[0][0][0]).any()

@@ -29,7 +29,9 @@ from ..model.compilation import (
 )
 from ..model.expert_pool import move_sizes
 from ..model.forward import lower_decode, lower_decode_sampled, lower_prefill
-from ..model.kv import KVGeometry
+from ..model.kv import KVGeometry, init_kv
+from ..model.kv_writes import on_one_cpu
+from ..model.logit_history import empty_history
 from ..runtime.allocator import give_back_free
 from ..runtime.api import StartupReport
 from .step_rows import FILLER_ROW, WARM_ROW, warm_constrained_row
@@ -156,10 +158,25 @@ def warm_up(runner: ModelRunner, plan: WarmupPlan, progress: Callable[[str, int,
     runner.new_key(0)
     runner.wait_ready()
     runner.sample_seconds = 0.0
+    _forget_warm_up_writes(runner)
     # Every step is compiled and run: the modules it was lowered to are garbage now, and
-    # the pages they held go back rather than count until reused.
+    # the pages they (and the cache just replaced) held go back rather than count until
+    # reused.
     drop_lowerings()
     give_back_free()
+
+
+def _forget_warm_up_writes(runner: ModelRunner) -> None:
+    """The KV cache and the samplers' history made anew: the warm-up wrote the scratch
+    slot's KV (every layer, once its copy was timed) and a history row, and a new cache's
+    zeros count in the resident set only once a conversation writes them
+    (kv_writes.cache_zeros). Only where the cache is on one CPU device: on a mesh a new
+    cache is a computation every process of the group runs."""
+    if not on_one_cpu(runner.kv[0]):
+        return
+    cfg = runner.model.config
+    runner.kv = init_kv(cfg, runner.geo, runner.model.kv_dtype)
+    runner.history = empty_history(runner.geo.scratch_slot + 1, cfg.vocab_size)
 
 
 def copy_threshold(runner: ModelRunner, prefill_s: dict[int, float]) -> int:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .kv_writes import cache_zeros
 from .sampling import CARRY_WIDTH, SAMPLED_WIDTH, native_unless_on, pack_sampled, sample
 
 
@@ -31,11 +32,13 @@ class LogitHistory(NamedTuple):
 
 
 def empty_history(slots: int, vocab: int, mesh: Mesh | None = None) -> LogitHistory:
-    """Zeroed rows for `slots` slots; on a mesh, whole on every device (as the carry)."""
+    """Zeroed rows for `slots` slots, whose pages count in the resident set once a
+    request writes them (kv_writes.cache_zeros); on a mesh, whole on every device (as
+    the carry)."""
+    if mesh is None:
+        return LogitHistory(*(cache_zeros((slots, vocab), t) for t in (jnp.int32, jnp.bool_, jnp.float32)))
     history = LogitHistory(jnp.zeros((slots, vocab), jnp.int32), jnp.zeros((slots, vocab), jnp.bool_),
                            jnp.zeros((slots, vocab), jnp.float32))
-    if mesh is None:
-        return history
     return jax.device_put(history, NamedSharding(mesh, PartitionSpec()))
 
 
