@@ -1,0 +1,79 @@
+"""The model's steps over a long history: a decode step of 1 and of 16 rows, each row at
+--positions cached positions of a slot of its own, and a prefill chunk of --chunk tokens
+after that many, every cache position written first (a cache no conversation wrote
+reads its zero page, which stays in the processor's cache and flatters a long read).
+Attention's share of a step grows with the history; this shows the whole step.
+
+    .venv/bin/python benchmarks/long_context.py [--files default,moe-q4km] [--positions 4000]
+        [--chunk 256] [--rounds 5]
+
+To compare builds, run it under each (the same files, the builds taking turns). Prints
+one JSON object, then a table (ms a step, best round of 10 steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from motet.model import load_model
+from motet.model.forward import decode, prefill
+from motet.model.kv import KVGeometry, init_kv
+
+
+def best_ms(call, rounds: int, calls: int = 10) -> float:
+    for _ in range(3):
+        jax.block_until_ready(call())
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for _ in range(calls):
+            jax.block_until_ready(call())
+        best = min(best, (time.perf_counter() - started) / calls * 1e3)
+    return best
+
+
+def steps(path, positions: int, chunk: int, rounds: int) -> dict[str, float]:
+    model = load_model(path)
+    cfg, weights = model.config, model.weights
+    geo = KVGeometry(n_slots=16, max_context=positions + chunk + 1, chunk=chunk)
+    k, v = jax.tree.map(lambda a: jnp.full_like(a, 0.01), init_kv(cfg, geo, model.kv_dtype))
+    out = {}
+    for rows in (1, 16):
+        fed, slots, at = (jax.device_put(np.asarray(a, np.int32))
+                          for a in (np.arange(rows) + 7, np.arange(rows), np.full(rows, positions)))
+        out[f"decode {rows}"] = best_ms(lambda: decode(weights, k, v, fed, slots, at, cfg=cfg), rounds)
+    tokens = jax.device_put(np.arange(chunk, dtype=np.int32) % 1000 + 7)
+    out[f"prefill {chunk}"] = best_ms(lambda: prefill(weights, k, v, tokens, 0, positions, chunk, cfg=cfg)[0],
+                                      rounds, calls=3)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--files", default="default,moe-q4km")
+    parser.add_argument("--positions", type=int, default=4000)
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    from peers import files
+
+    names = args.files.split(",")
+    paths = files(names)
+    result = {name: steps(paths[name], args.positions, args.chunk, args.rounds) for name in names}
+    print(json.dumps({"positions": args.positions, "ms": result}, indent=1))
+    for name, parts in result.items():
+        print(f"\n{name}, {args.positions} cached positions (ms a step)")
+        for part, ms in parts.items():
+            print(f"  {part:<14}{ms:9.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
