@@ -8,7 +8,8 @@ Attention's share of a step grows with the history; this shows the whole step.
         [--chunk 256] [--rounds 5]
 
 To compare builds, run it under each (the same files, the builds taking turns). Prints
-one JSON object, then a table (ms a step, best round of 10 steps).
+one JSON object, then a table (ms a step, the best round of 10 steps, 3 for a prefill;
+step_parts.best_ms).
 """
 
 from __future__ import annotations
@@ -16,27 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from step_parts import best_ms
 
 from motet.model import load_model
 from motet.model.forward import decode, prefill
 from motet.model.kv import KVGeometry, init_kv
-
-
-def best_ms(call, rounds: int, calls: int = 10) -> float:
-    for _ in range(3):
-        jax.block_until_ready(call())
-    best = float("inf")
-    for _ in range(rounds):
-        started = time.perf_counter()
-        for _ in range(calls):
-            jax.block_until_ready(call())
-        best = min(best, (time.perf_counter() - started) / calls * 1e3)
-    return best
 
 
 def steps(path, positions: int, chunk: int, rounds: int) -> dict[str, float]:
@@ -48,10 +37,10 @@ def steps(path, positions: int, chunk: int, rounds: int) -> dict[str, float]:
     for rows in (1, 16):
         fed, slots, at = (jax.device_put(np.asarray(a, np.int32))
                           for a in (np.arange(rows) + 7, np.arange(rows), np.full(rows, positions)))
-        out[f"decode {rows}"] = best_ms(lambda: decode(weights, k, v, fed, slots, at, cfg=cfg), rounds)
+        out[f"decode {rows}"] = best_ms(lambda: decode(weights, k, v, fed, slots, at, cfg=cfg), 10, rounds)
     tokens = jax.device_put(np.arange(chunk, dtype=np.int32) % 1000 + 7)
     out[f"prefill {chunk}"] = best_ms(lambda: prefill(weights, k, v, tokens, 0, positions, chunk, cfg=cfg)[0],
-                                      rounds, calls=3)
+                                      3, rounds)
     return out
 
 
