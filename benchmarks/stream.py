@@ -1,6 +1,6 @@
 """How fast the native products stream their weights, against what the machine reads:
 x · W for a head-sized matrix (49152 × 512), on AVX-512 and AVX2 where this CPU has
-them, once over one matrix again and again (it stays in the cache) and once over eight
+them (and AVX-512 VNNI from 4 rows of x on, where its integer pairs take the product), once over one matrix again and again (it stays in the cache) and once over eight
 different ones in turn (they stream from memory, as a decode step's 100 MB of weights
 do), beside XLA's sum of a 200 MB float32 array (the machine's own read bandwidth,
 every core XLA uses). The types: Q8_0 and Q4_1 (f16 scales), and Q4_K and Q6_K twice,
@@ -88,12 +88,14 @@ def main(argv=None) -> int:
     best = native.instruction_set()
     result = {"xla_sum_gb_s": reference, "kernel": {}}
     try:
-        for isa in ("avx512", "avx2"):  # avx512vnni's one-row dots are avx512's
+        for isa in ("avx512vnni", "avx512", "avx2"):
             if not native.select_instruction_set(isa):
                 continue
+            # avx512vnni's dots are avx512's: it differs from 4 rows on (its integer pairs)
+            row_counts = [r for r in map(int, args.rows.split(",")) if isa != "avx512vnni" or r > 3]
             # AVX-512's one-row dots: 4 weight rows a pass, and 1 (AMD's choice), side by side
             passes = (4, 1) if isa == "avx512" else (0,)
-            for rows in map(int, args.rows.split(",")):
+            for rows in row_counts:
                 for label, kind, widened in FORMS:
                     figures = product_figures(kind, widened, rows, args.repeats, passes if rows == 1 else (0,))
                     for rows_a_pass, f in figures.items():
