@@ -115,6 +115,12 @@ def read_until(proc, decoder, events: list, done, deadline: float) -> list:
     return events
 
 
+def stderr_tails(tmp_path) -> str:
+    """What both processes printed last: a failure names the process that died, and why."""
+    return "\n\n".join(f"process {i}'s stderr:\n" + (tmp_path / f"process{i}.stderr").read_text(errors="replace")[-3000:]
+                       for i in (0, 1))
+
+
 def answered(rid: int, kind):
     return lambda events: any(isinstance(e, (kind, mux.Error)) and e.request_id == rid for e in events)
 
@@ -164,7 +170,10 @@ def test_two_processes_serve_through_process_0_and_stop_cleanly(tmp_path, tiny_m
         def ask(rid: int, line: bytes, kind):
             leader.stdin.write(line)
             leader.stdin.flush()
-            read_until(leader, decoder, events, answered(rid, kind), deadline)
+            try:
+                read_until(leader, decoder, events, answered(rid, kind), deadline)
+            except AssertionError as failure:
+                raise AssertionError(f"{failure}\n\n{stderr_tails(tmp_path)}") from None
             (answer,) = [e for e in events if isinstance(e, (kind, mux.Error)) and e.request_id == rid]
             assert isinstance(answer, kind), answer
             return answer
@@ -189,7 +198,7 @@ def test_two_processes_serve_through_process_0_and_stop_cleanly(tmp_path, tiny_m
         for log in logs:
             log.close()
     stderr = [(tmp_path / f"process{i}.stderr").read_text(errors="replace") for i in (0, 1)]
-    assert codes == [0, 0], "\n\n".join(s[-3000:] for s in stderr)
+    assert codes == [0, 0], stderr_tails(tmp_path)
     assert "process 0 stopped after" in stderr[1]  # process 1 followed to the end
     if expert_cap is not None:  # both pools moved experts, alike, or the answers would differ
         assert "experts tiered" in stderr[1], stderr[1][-3000:]

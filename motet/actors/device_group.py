@@ -34,7 +34,9 @@ from ..runtime.config import DistributedSettings
 log = logging.getLogger(__name__)
 
 INIT_TIMEOUT_S = 120  # every process must have joined by then
-HEARTBEAT_TIMEOUT_S = 10  # a peer silent this long is dead, and so is the group
+# A peer silent this long is dead, and so is the group. A loaded host can hold a live one
+# back for seconds, so not much less (JAX's own default is 100 s).
+HEARTBEAT_TIMEOUT_S = 30
 SHUTDOWN_TIMEOUT_S = 30  # the leaving barrier waits this long for the others
 POLL_MS = 60_000  # a follower's wait for the next op, renewed while the leader is idle
 KEY_PREFIX = "motet/op"
