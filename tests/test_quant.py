@@ -96,7 +96,7 @@ def test_the_native_kernel_is_built_where_a_compiler_is():
 
 
 def layouts():
-    """Each layout with float16 scales (Q4_1, Q8_0, Q4_0) and float32 ones (the K types)."""
+    """Each layout with float16 scales (Q4_1, Q8_0, Q4_0) and the K types' packed ones."""
     yield REPACK["Q4_1"](random_blocks("Q4_1", 70, 576, seed=1))
     yield REPACK["Q4_0"](random_blocks("Q4_0", 65, 256, seed=7))
     yield REPACK["Q4_K"](random_blocks("Q4_K", 66, 512, seed=8))
@@ -155,6 +155,29 @@ def test_the_kernel_equals_the_xla_path(isa):
     finally:
         native.select_instruction_set(best)
         native.rows_at_once(0)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native kernel was not built")
+def test_the_avx2_dots_give_packed_k_scales_the_bits_of_widened_ones():
+    """The AVX2 dots read packed K-type scales as the same floats that widening them at
+    load gives (one product of the integer and its super-block's float), so AVX2 keeping
+    them packed changes no bit: in the one-row dots (up to six rows of x) and in the
+    panels of more rows, which widen a unit's rows first."""
+    best = native.instruction_set()
+    if not native.select_instruction_set("avx2"):
+        pytest.skip("this CPU has no avx2")
+    try:
+        rng = np.random.default_rng(3)
+        for w in layouts():
+            if w.super_scale is None:
+                continue
+            for m in (1, 4, 6, 16, 64):
+                x = rng.standard_normal((m, w.shape[1])).astype(np.float32)
+                packed = np.asarray(qmatmul(x, jax.device_put(w), use_native=True))
+                widened = np.asarray(qmatmul(x, jax.device_put(quant.plain(w)), use_native=True))
+                assert np.array_equal(packed, widened), (w.source, m)
+    finally:
+        native.select_instruction_set(best)
 
 
 @pytest.mark.skipif(not native.available(), reason="the native kernel was not built")
