@@ -81,7 +81,7 @@ def k_scales_packed() -> bool:
     """Whether a K type's scales stay as the file packs them (a small integer per block
     and a float per super-block) rather than widened to float32 at load. The AVX-512 and
     AVX2 dots read them in place: on a Zen 2 the MoE Q4_K_M file's weights take 254 MB
-    rather than 308, for a 16-row step about 4% slower and a one-row step no slower
+    rather than 308, for a 16-row step about 4% slower, its K-type products 5-20%
     (docs/performance.md). The baseline dots ran a fifth to a third slower on them, so
     there they are widened. Off the CPU the XLA path widens them inside the jitted
     computation."""
