@@ -26,6 +26,9 @@ TINY_ARCHS = ("llama", "qwen3_moe", "olmoe", "mixtral")
 # KVSAVE_DIR explicitly.
 os.environ.setdefault("KVSAVE", "0")
 
+# `make test`'s worker processes (pytest-xdist) and their motet children share this cache.
+# JAX writes an entry in place, so one process may read another's half-written entry: JAX
+# takes that for a miss (a warning, and a compile), never for an executable.
 use_compile_cache(COMPILE_CACHE)
 
 # `motet mux` as a child process, sharing the tests' compilation cache (its SNAP, KV_SLOTS
