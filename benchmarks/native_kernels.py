@@ -4,7 +4,9 @@ cached positions each) and a 512-token prefill, with every kernel on, with atten
 (decode and prefill) on XLA, with the MoE experts on XLA's grouped loop, and with the
 norms and QKV heads on XLA; with AVX-512, also the one-row dots at 4 and at 1 weight
 rows a pass (the CPU's vendor picks one for "native"); with AVX-512 VNNI, also every
-kernel on plain AVX-512 (products of many rows on float panels, not integer pairs). The
+kernel on plain AVX-512 (products of many rows on float panels, not integer pairs); where
+the load keeps K-type scales packed (native.k_scales_packed), also the same weights with
+them widened to float32, as the load leaves them elsewhere ("widened K scales"). The
 variants take turns, round after round, and each reports its best round (the machine
 is shared).
 
@@ -30,6 +32,7 @@ import numpy as np
 
 from motet.model import forward, load_model, moe, native
 from motet.model.kv import KVGeometry, init_kv
+from motet.model.quant import QTensor, plain
 
 POSITIONS = 300
 PREFILL = 512
@@ -69,7 +72,26 @@ def instruction_set(name: str):
     return switch
 
 
-VARIANTS = {"native": None,
+def widened(weights):
+    """The weights with every K type's packed scales and mins widened to float32 (a
+    copy of each such tensor's scales, on the device)."""
+    def widen(leaf):
+        if isinstance(leaf, QTensor) and leaf.super_scale is not None:
+            return jax.device_put(plain(leaf))
+        return leaf
+
+    return jax.tree.map(widen, weights, is_leaf=lambda leaf: isinstance(leaf, QTensor))
+
+
+def packed_k_scales(weights) -> bool:
+    leaves = jax.tree.leaves(weights, is_leaf=lambda leaf: isinstance(leaf, QTensor))
+    return any(isinstance(leaf, QTensor) and leaf.super_scale is not None for leaf in leaves)
+
+
+# The variants that time other weights than the loaded ones: name -> their form of them.
+WEIGHTS = {"widened K scales": widened}
+
+VARIANTS = {"native": None, "widened K scales": None,
             "xla attention": on_xla(forward, "attend_rows", "attend_chunk"),  # decode and prefill
             "xla experts": on_xla(moe, "experts_grouped"),
             # the norms, the residual add before the FFN's, the QKV heads
@@ -95,6 +117,8 @@ def mean_ms(call, calls: int) -> float:
 def measure(model, rounds: int, variants: list[str], decode_rows=(1, 16),
             prefill=PREFILL) -> dict[str, dict[str, float]]:
     cfg, weights = model.config, model.weights
+    forms = {name: WEIGHTS[name](weights) for name in variants if name in WEIGHTS}
+    held = {"weights": weights}  # the steps read their weights here: a variant may swap them
     k, v = init_kv(cfg, KVGeometry(n_slots=16, max_context=1024, chunk=max(prefill, 16)))
     steps = {}
     for b in decode_rows:
@@ -103,17 +127,18 @@ def measure(model, rounds: int, variants: list[str], decode_rows=(1, 16),
         tokens = (np.arange(b, dtype=np.int32) * 997 + 5) % cfg.vocab_size
         rows = tuple(jax.device_put(a) for a in (tokens, np.arange(b, dtype=np.int32),
                                                  np.full(b, POSITIONS, np.int32)))
-        steps[f"decode {b}"] = (lambda rows=rows: forward.decode(weights, k, v, *rows, cfg=cfg), 20)
+        steps[f"decode {b}"] = (lambda rows=rows: forward.decode(held["weights"], k, v, *rows, cfg=cfg), 20)
     if prefill:
         tokens = jax.device_put(np.arange(prefill, dtype=np.int32) % 1000)
         steps[f"prefill {prefill}"] = (
-            lambda: forward.prefill(weights, k, v, tokens, 0, 0, prefill, cfg=cfg)[0], 2)
+            lambda: forward.prefill(held["weights"], k, v, tokens, 0, 0, prefill, cfg=cfg)[0], 2)
     best: dict[str, dict[str, float]] = {name: {} for name in variants}
     for _ in range(rounds):
         for name in variants:
             switch = VARIANTS[name]
             install, restore = switch() if switch else (lambda: None, lambda: None)
             install()
+            held["weights"] = forms.get(name, weights)
             forget_compiled()
             try:
                 for step, (call, calls) in steps.items():
@@ -121,6 +146,7 @@ def measure(model, rounds: int, variants: list[str], decode_rows=(1, 16),
                     best[name][step] = min(best[name].get(step, float("inf")), ms)
             finally:
                 restore()
+                held["weights"] = weights
                 forget_compiled()
     return best
 
@@ -145,6 +171,7 @@ def main(argv=None) -> int:
         isa = native.instruction_set() or ""
         variants += ["xla norms, heads"] + (["4 rows a pass", "1 row a pass"] if isa.startswith("avx512") else [])
         variants += ["plain avx512"] if isa == "avx512vnni" else []
+        variants += ["widened K scales"] if packed_k_scales(model.weights) else []
         if args.variants:
             variants = [v for v in variants if v in args.variants.split(",")]
         results[name] = measure(model, args.rounds, variants, tuple(int(b) for b in args.decode.split(",")),
