@@ -42,7 +42,7 @@ check: install
 	$(BIN)/mypy motet
 
 # The tests that need no browser, start no motet child process and take no long run:
-# a few minutes, for the loop while you work. `make test` stays the whole suite.
+# about 8 minutes on the 2-core CI machine, for the loop while you work. `make test` stays the whole suite.
 test-fast: install
 	$(PYTEST) -m "not slow and not browser and not subprocess"
 
