@@ -72,20 +72,15 @@ def instruction_set(name: str):
     return switch
 
 
+def has_packed_scales(leaf) -> bool:
+    return isinstance(leaf, QTensor) and leaf.super_scale is not None
+
+
 def widened(weights):
     """The weights with every K type's packed scales and mins widened to float32 (a
     copy of each such tensor's scales, on the device)."""
-    def widen(leaf):
-        if isinstance(leaf, QTensor) and leaf.super_scale is not None:
-            return jax.device_put(plain(leaf))
-        return leaf
-
-    return jax.tree.map(widen, weights, is_leaf=lambda leaf: isinstance(leaf, QTensor))
-
-
-def packed_k_scales(weights) -> bool:
-    leaves = jax.tree.leaves(weights, is_leaf=lambda leaf: isinstance(leaf, QTensor))
-    return any(isinstance(leaf, QTensor) and leaf.super_scale is not None for leaf in leaves)
+    return jax.tree.map(lambda leaf: jax.device_put(plain(leaf)) if has_packed_scales(leaf) else leaf, weights,
+                        is_leaf=lambda leaf: isinstance(leaf, QTensor))
 
 
 # The variants that time other weights than the loaded ones: name -> their form of them.
@@ -171,7 +166,8 @@ def main(argv=None) -> int:
         isa = native.instruction_set() or ""
         variants += ["xla norms, heads"] + (["4 rows a pass", "1 row a pass"] if isa.startswith("avx512") else [])
         variants += ["plain avx512"] if isa == "avx512vnni" else []
-        variants += ["widened K scales"] if packed_k_scales(model.weights) else []
+        packed = jax.tree.leaves(model.weights, is_leaf=lambda leaf: isinstance(leaf, QTensor))
+        variants += ["widened K scales"] if any(map(has_packed_scales, packed)) else []
         if args.variants:
             variants = [v for v in variants if v in args.variants.split(",")]
         results[name] = measure(model, args.rounds, variants, tuple(int(b) for b in args.decode.split(",")),
