@@ -20,7 +20,8 @@ import os
 
 KINDS = (  # (module, function, what the table calls it)
     ("forward", "_prefill", "prefill steps"),
-    ("forward", "_decode_sampled", "decode steps"),
+    ("forward", "_decode_sampled_written", "decode steps"),
+    ("forward", "_decode_sampled", "decode steps, written apart"),
     ("kv_writes", "_write_native", "KV writes"),
     ("logit_history", "resample", "penalized resamplings"),
     ("kv", "_take_layer", "slot reads"),

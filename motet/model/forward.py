@@ -4,7 +4,8 @@ KV cache: per layer, K [slots, kv_heads, context / KEY_BLOCK, head_dim, KEY_BLOC
 (kv_layout.py: blocks of positions, each block transposed) and V [slots, kv_heads,
 context, head_dim]. Head-major avoids a per-step transpose; K transposed makes q·K a
 sum of vectors of positions, the fastest form measured on XLA:CPU and natively. The step
-functions only *read* the cache and return the new rows; kv_writes.py stores them.
+functions only *read* the cache and return the new rows; kv_writes.py stores them (the
+sampled decode step calls its native write last, in the same compiled call).
 
 Dimension letters: t tokens, b batch rows, h query heads, k KV heads, g query heads per
 KV head, d head dim, l cached positions (one block), s positions in the chunk.
@@ -27,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from .attention import attend_chunk, attend_rows
 from .config import ModelConfig
 from .heads import qkv_heads
+from .kv_writes import write_rows, write_rows_traced, writes_in_step
 from .moe import dense_ffn, moe_ffn
 from .norm import add_rms_norm, rms_norm
 from .quant import QTensor, matmul, take_rows
@@ -214,18 +216,30 @@ def decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, sampling
     set feeds the token and uses the key its slot's carry holds, in place of tokens[i]
     and keys[i]: a step can be dispatched before the host has read the one before it.
 
-    Returns (new K rows per layer, new V rows per layer, [b, SAMPLED_WIDTH + MoE layers
-    · k] int32: sampling.pack_sampled's columns, then the expert ids of each MoE layer
-    in turn, the carry with the rows' slots updated, the logits [b, vocab], and what
-    each row fed [b, 3] int32: its token and its key's two words (resample's `fed`))."""
-    return _decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, sampling, want_top, carry,
-                           chained, cfg=cfg, moe_impl=moe_impl, mesh=mesh_of(weights))
+    The caches are donated: where the native write takes them (kv_writes.writes_in_step)
+    the step stores its rows itself, else a second call does (kv_writes.write_rows). A
+    call's arguments and results cost the dispatching thread about a microsecond each,
+    and on two cores that thread's time is the step's (docs/performance.md): the second
+    call passed every layer's cache and rows again.
+
+    Returns (the K caches and the V caches with the rows stored, [b, SAMPLED_WIDTH + MoE
+    layers · k] int32: sampling.pack_sampled's columns, then the expert ids of each MoE
+    layer in turn, the carry with the rows' slots updated, the logits [b, vocab], and
+    what each row fed [b, 3] int32: its token and its key's two words (resample's
+    `fed`))."""
+    mesh = mesh_of(weights)
+    if mesh is None and writes_in_step(k_cache):
+        return _decode_sampled_written(weights, k_cache, v_cache, tokens, slots, positions, sampling, want_top,
+                                       carry, chained, cfg=cfg, moe_impl=moe_impl)
+    new_k, new_v, *rest = _decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, sampling, want_top,
+                                          carry, chained, cfg=cfg, moe_impl=moe_impl, mesh=mesh)
+    return (*write_rows(k_cache, v_cache, new_k, new_v, slots, positions), *rest)
 
 
-
-@partial(jax.jit, static_argnames=("cfg", "moe_impl", "mesh"))
-def _decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, sampling, want_top, carry, chained, *,
-                    cfg, moe_impl, mesh):
+def _sampled_step(weights, k_cache, v_cache, tokens, slots, positions, sampling, want_top, carry, chained, *,
+                  cfg, moe_impl, mesh, write: bool):
+    """decode_sampled's step; write: it stores its rows (returning the caches), else it
+    returns them (new K rows per layer, new V rows per layer, in the caches' place)."""
     temperature, top_p, top_k, min_p, keys = sampling
     held = carry[slots]
     tokens = jnp.where(chained, held[:, 0], tokens)
@@ -239,7 +253,14 @@ def _decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, samplin
         carry = jax.lax.with_sharding_constraint(carry, NamedSharding(mesh, P()))
     packed = jnp.concatenate([drawn] + [ids.astype(jnp.int32) for ids in routing], axis=1)
     fed = jnp.concatenate([tokens[:, None], jax.lax.bitcast_convert_type(keys, jnp.int32)], axis=1)
+    if write:
+        new_k, new_v = write_rows_traced(k_cache, v_cache, new_k, new_v, slots, positions, after=drawn)
     return new_k, new_v, packed, carry, logits, fed
+
+
+_decode_sampled = jax.jit(partial(_sampled_step, write=False), static_argnames=("cfg", "moe_impl", "mesh"))
+_decode_sampled_written = jax.jit(partial(_sampled_step, mesh=None, write=True), static_argnames=("cfg", "moe_impl"),
+                                  donate_argnums=(1, 2))
 
 
 def empty_carry(slots: int, mesh: Mesh | None = None) -> jax.Array:
@@ -258,13 +279,15 @@ def greedy_sampling(batch: int):
 
 
 def lower_decode_sampled(weights, k_cache, v_cache, batch: int, *, cfg, moe_impl="auto"):
-    """decode_sampled for a padded batch of `batch` rows, traced and lowered (as
+    """decode_sampled's step for a padded batch of `batch` rows, traced and lowered (as
     lower_prefill)."""
     rows = jax.device_put(np.zeros(batch, np.int32))
     slots, mesh = k_cache[0].shape[0], mesh_of(weights)
-    return _decode_sampled.trace(weights, k_cache, v_cache, rows, rows, rows, greedy_sampling(batch),
-                                 np.bool_(False), empty_carry(slots, mesh), np.zeros(batch, np.bool_), cfg=cfg,
-                                 moe_impl=moe_impl, mesh=mesh).lower()
+    args = (weights, k_cache, v_cache, rows, rows, rows, greedy_sampling(batch), np.bool_(False),
+            empty_carry(slots, mesh), np.zeros(batch, np.bool_))
+    if mesh is None and writes_in_step(k_cache):
+        return _decode_sampled_written.trace(*args, cfg=cfg, moe_impl=moe_impl).lower()
+    return _decode_sampled.trace(*args, cfg=cfg, moe_impl=moe_impl, mesh=mesh).lower()
 
 
 def lower_decode(weights, k_cache, v_cache, batch: int, *, cfg, moe_impl="auto"):

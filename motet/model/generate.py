@@ -116,10 +116,10 @@ def dispatch_decode(model: Model, kv, geo: KVGeometry, tokens: Sequence[int], sl
     link = np.zeros(len(tok), np.bool_)
     link[: len(chained)] = chained
     k, v = kv
-    new_k, new_v, packed, carry, logits, fed = decode_sampled(model.weights, k, v, tok, slot, pos, sampling,
-                                                              np.bool_(want_top), carry, link, cfg=model.config,
-                                                              moe_impl=moe_impl)
-    return packed, write_rows(k, v, new_k, new_v, slot, pos), carry, logits, fed
+    k, v, packed, carry, logits, fed = decode_sampled(model.weights, k, v, tok, slot, pos, sampling,
+                                                      np.bool_(want_top), carry, link, cfg=model.config,
+                                                      moe_impl=moe_impl)
+    return packed, (k, v), carry, logits, fed
 
 
 def read_decode(model: Model, packed, rows: int):

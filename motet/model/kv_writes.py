@@ -86,11 +86,17 @@ def write_rows(k_cache, v_cache, new_k, new_v, slots, positions):
 
 
 def _native(k_cache, new_k) -> bool:
-    """Whether the native write takes these: caches on one CPU device, of a type it
-    stores (an 8-bit cache's values: kv_quant.py), and float32 rows."""
+    """Whether the native write takes these: caches it takes (writes_in_step), and
+    float32 rows."""
+    return new_k[0].dtype == jnp.float32 and writes_in_step(k_cache)
+
+
+def writes_in_step(k_cache) -> bool:
+    """Whether the native write takes these caches: on one CPU device, of a type it
+    stores (an 8-bit cache's values: kv_quant.py). A decode step then stores its own
+    rows (write_rows_traced)."""
     first = _first_values(k_cache)
-    return (new_k[0].dtype == jnp.float32 and (first.dtype in _CACHE_TYPES or first.dtype in (jnp.int8, jnp.uint8))
-            and on_one_cpu(k_cache))
+    return (first.dtype in _CACHE_TYPES or first.dtype in (jnp.int8, jnp.uint8)) and on_one_cpu(k_cache)
 
 
 def _first_values(k_cache):
@@ -110,27 +116,46 @@ def on_one_cpu(k_cache) -> bool:
     return device.platform == "cpu"
 
 
+def write_rows_traced(k_cache, v_cache, new_k, new_v, slots, positions, after):
+    """write_rows inside a jitted step whose caches are donated (writes_in_step): the
+    native write, run after `after` (an array the step computes last). Free to run once
+    its rows exist, the write may be ordered before a layer's attention reads the same
+    cache, and XLA then copies the cache for that read; after the step's sampled tokens
+    it comes last, and nothing is copied. Returns the caches."""
+    write = _scaled_call if kv_quant.quantized(k_cache[0]) else _native_call
+    new_k, new_v = ([r.astype(jnp.float32) for r in rows] for rows in (new_k, new_v))
+    return write(k_cache, v_cache, new_k, new_v, slots, positions, False, (after,))
+
+
 @partial(jax.jit, donate_argnums=(0, 1), static_argnames=("chunk",))
 def _write_native(k_cache, v_cache, new_k, new_v, slots, positions, *, chunk: bool):
+    return _native_call(k_cache, v_cache, new_k, new_v, slots, positions, chunk)
+
+
+def _native_call(k_cache, v_cache, new_k, new_v, slots, positions, chunk: bool, after: tuple = ()):
     layers = len(k_cache)
     caches = [*k_cache, *v_cache]
     call = jax.ffi.ffi_call(native.KV_WRITE, [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches],
                             input_output_aliases={2 + i: i for i in range(2 * layers)})
     out = call(jnp.asarray(slots, jnp.int32).reshape(-1), jnp.asarray(positions, jnp.int32).reshape(-1), *caches,
-               *new_k, *new_v, layers=layers, chunk=int(chunk))
+               *new_k, *new_v, *after, layers=layers, chunk=int(chunk))
     return list(out[:layers]), list(out[layers:])
 
 
 @partial(jax.jit, donate_argnums=(0, 1), static_argnames=("chunk",))
 def _write_scaled(k_cache, v_cache, new_k, new_v, slots, positions, *, chunk: bool):
     """_write_native for 8-bit caches: values and scales, every layer, in one call."""
+    return _scaled_call(k_cache, v_cache, new_k, new_v, slots, positions, chunk)
+
+
+def _scaled_call(k_cache, v_cache, new_k, new_v, slots, positions, chunk: bool, after: tuple = ()):
     layers = len(k_cache)
     caches = [c.values for c in k_cache] + [c.values for c in v_cache]
     caches += [c.scales for c in k_cache] + [c.scales for c in v_cache]
     call = jax.ffi.ffi_call(native.KV_WRITE_SCALED, [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches],
                             input_output_aliases={2 + i: i for i in range(4 * layers)})
     out = call(jnp.asarray(slots, jnp.int32).reshape(-1), jnp.asarray(positions, jnp.int32).reshape(-1), *caches,
-               *new_k, *new_v, layers=layers, chunk=int(chunk))
+               *new_k, *new_v, *after, layers=layers, chunk=int(chunk))
     k = [kv_quant.QuantizedCache(out[i], out[2 * layers + i]) for i in range(layers)]
     v = [kv_quant.QuantizedCache(out[layers + i], out[3 * layers + i]) for i in range(layers)]
     return k, v

@@ -205,10 +205,16 @@ void write_layer(void* arg, int64_t layer) {
   }
 }
 
+// The arguments after slots and positions: `expected`, or one more that only orders the
+// write after what computes it (kv_writes.write_rows_traced: a step that writes its own
+// rows runs the write last), never read.
+bool ordered_args(size_t count, int64_t expected) {
+  return static_cast<int64_t>(count) == expected || static_cast<int64_t>(count) == expected + 1;
+}
+
 ffi::Error KvWrite(ffi::ThreadPool threads, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> positions,
                    ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t layers, int64_t chunk) {
-  if (layers < 1 || static_cast<int64_t>(args.size()) != 4 * layers ||
-      static_cast<int64_t>(rets.size()) != 2 * layers)
+  if (layers < 1 || !ordered_args(args.size(), 4 * layers) || static_cast<int64_t>(rets.size()) != 2 * layers)
     return ffi::Error::InvalidArgument("kv_write: expected K and V caches and new rows for every layer");
   Write w{};
   w.at = Where::of(chunk != 0, slots.typed_data(), positions.typed_data());
@@ -292,7 +298,7 @@ void write_scaled_layer(void* arg, int64_t layer) {
 // (each group `layers` long, aliased to the results in that order), new K, new V.
 ffi::Error KvWriteScaled(ffi::ThreadPool threads, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> positions,
                          ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t layers, int64_t chunk) {
-  if (layers < 1 || static_cast<int64_t>(args.size()) != 6 * layers || static_cast<int64_t>(rets.size()) != 4 * layers)
+  if (layers < 1 || !ordered_args(args.size(), 6 * layers) || static_cast<int64_t>(rets.size()) != 4 * layers)
     return ffi::Error::InvalidArgument("kv_write_scaled: expected values, scales and new rows for every layer");
   ScaledWrite w{};
   w.at = Where::of(chunk != 0, slots.typed_data(), positions.typed_data());
