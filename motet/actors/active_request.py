@@ -137,8 +137,9 @@ class Active:
 def add_routing(counts: np.ndarray, experts: np.ndarray) -> None:
     """Add routed-expert ids ([MoE layers, ...]) to per-layer, per-expert counts."""
     if experts.size:
-        layers = experts.reshape(experts.shape[0], -1)
-        np.add.at(counts, (np.arange(layers.shape[0])[:, None], layers), 1)
+        layers, width = experts.shape[0], counts.shape[1]
+        flat = (np.arange(layers)[:, None] * width + experts.reshape(layers, -1)).reshape(-1)
+        counts += np.bincount(flat, minlength=layers * width).reshape(layers, width)
 
 
 def end_unstarted(sub: Submit, reason: FinishReason) -> None:

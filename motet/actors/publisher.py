@@ -32,8 +32,8 @@ class Publisher:
         if self.experts is not None and counts.size:
             self.experts.observe_nowait(counts)
         if self.subscribers:
-            self._publish(StepRouting(tuple(map(tuple, counts.tolist())), tokens,  # ints, not one by one
-                                      step.lookups, step.hits, step.moves, step.tiers))
+            counts.flags.writeable = False  # every subscriber gets this one array
+            self._publish(StepRouting(counts, tokens, step.lookups, step.hits, step.moves, step.tiers))
 
     def turn_ended(self, telemetry: Telemetry) -> None:
         self._publish(telemetry)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 # "grammar": the request's grammar left no token to sample (Grammar)
 FinishReason = Literal["stop", "length", "cancelled", "prefilled", "grammar"]
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
@@ -215,11 +217,12 @@ class ExpertTiers:
 @dataclass(frozen=True)
 class StepRouting:
     """The experts one device step routed to, summed over its rows: per MoE layer, per
-    expert, tokens (for a dense model: no rows, and `tokens` says how many ran).
-    Tiered: the step's pool lookups and hits, its moves (layer, expert, old tier, new
-    tier), and the tiers after it when they changed."""
+    expert, tokens, a read-only int64 array [MoE layers, experts] (for a dense model:
+    empty, and `tokens` says how many ran). Tiered: the step's pool lookups and hits,
+    its moves (layer, expert, old tier, new tier), and the tiers after it when they
+    changed."""
 
-    counts: tuple[tuple[int, ...], ...]
+    counts: np.ndarray
     tokens: int
     lookups: int = 0
     hits: int = 0

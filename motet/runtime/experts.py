@@ -10,6 +10,8 @@ import math
 from collections import deque
 from collections.abc import Sequence
 
+import numpy as np
+
 from .api import ExpertState, ExpertTiers, Perf, StepRouting, Telemetry, TurnStats
 
 DEVICE_TIER = 2  # EMAP's 2-bit tier: 0 disk, 1 host RAM, 2 device
@@ -31,8 +33,9 @@ class ExpertMap:
 
     def __init__(self, rows: int, cols: int):
         self.rows, self.cols = rows, cols
-        self.heat = [[0] * cols for _ in range(rows)]
-        self.hits = [[False] * cols for _ in range(rows)]
+        # arrays, not lists: an engine adds a step's counts for every token it decodes
+        self.heat = np.zeros((rows, cols), np.int64)
+        self.hits = np.zeros((rows, cols), np.bool_)
         self.seq = 0  # HITS snapshots taken
         self.last_hits: bytes | None = None
         self.entropy: tuple[float, ...] = (0.0,) * rows
@@ -45,19 +48,20 @@ class ExpertMap:
             return cls(sum(config.moe_layers), config.n_experts)
         return cls(config.n_layers, 1)
 
-    def add(self, counts: Sequence[Sequence[int]]) -> None:
-        """Routed-token counts of some steps, per MoE layer, per expert."""
-        for r, layer in enumerate(counts):
-            for c, n in enumerate(layer):
-                if n:
-                    self.heat[r][c] += n
-                    self.hits[r][c] = True
+    def add(self, counts) -> None:
+        """Routed-token counts of some steps, per MoE layer, per expert ([rows, cols])."""
+        counts = np.asarray(counts, np.int64)
+        if counts.shape != self.heat.shape:  # += would broadcast a single row over all
+            raise ValueError(f"counts of shape {counts.shape} for a {self.rows}x{self.cols} map")
+        self.heat += counts
+        self.hits |= counts > 0
 
     def add_step(self, step: StepRouting) -> None:
-        if step.counts:
+        if step.counts.size:
             self.add(step.counts)
-        else:
-            self.add([[step.tokens]] * self.rows)  # dense: each layer's one expert ran
+        else:  # dense: each layer's one expert ran
+            self.heat += step.tokens
+            self.hits |= step.tokens > 0
         self.repin.extend(device_moves(step.moves))
         if step.tiers is not None:
             self.set_tiers(step.tiers)
@@ -79,20 +83,17 @@ class ExpertMap:
     def emap(self) -> bytes:
         """One byte per expert, row-major: tier << 6 | heat (log2 bucket of routed tokens)."""
         tiers = self.tiers.tiers if self.tiers is not None else bytes([DEVICE_TIER]) * (self.rows * self.cols)
-        heat = (min(MAX_HEAT, n.bit_length()) for row in self.heat for n in row)
-        return bytes((tier << 6) | h for tier, h in zip(tiers, heat))
+        bit_length = np.frexp(self.heat.astype(np.float64))[1]  # n = m·2^e with m in [0.5, 1): e; 0 for 0
+        heat = np.minimum(MAX_HEAT, bit_length).astype(np.uint8).reshape(-1)
+        return (np.frombuffer(tiers, np.uint8) << 6 | heat).astype(np.uint8).tobytes()
 
     def hit_bits(self) -> bytes:
         """A bit per expert routed since the last take, most significant bit first."""
-        bits = [h for row in self.hits for h in row]
-        return bytes(
-            sum(1 << (7 - j) for j, b in enumerate(bits[i : i + 8]) if b)
-            for i in range(0, len(bits), 8)
-        )
+        return np.packbits(self.hits.reshape(-1)).tobytes()
 
     def take_hits(self) -> bytes:
         packed = self.last_hits = self.hit_bits()
-        self.hits = [[False] * self.cols for _ in range(self.rows)]
+        self.hits[:] = False
         self.seq += 1
         return packed
 
