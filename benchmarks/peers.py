@@ -1,8 +1,8 @@
 """motet against llama.cpp on the same GGUF files, the same token ids, side by side in
 one run: single-stream decode, 16 concurrent streams, and a 512-token prefill.
 
-    .venv/bin/python benchmarks/peers.py [--files default,moe-q4km,moe-q8] [--repeats N] [--threads T]
-                                         [--kv float16|8-bit]
+    .venv/bin/python benchmarks/peers.py [--files default,moe-q4km,moe-q8] [--repeats N] [--rounds R]
+                                         [--threads T] [--kv float16|8-bit]
 
 The files: the default model (SmolLM2-135M-Instruct, Q4_1), and a generated MoE of
 realistic shape (benchmarks/moe_gguf.py: Qwen3-MoE layout, 12 layers, 32 experts, top-4,
@@ -12,8 +12,11 @@ llama.cpp runs through llama-cpp-python's low-level API (a benchmark-only depend
 not one of motet's) in a child process, so a build that crashes on this CPU is reported
 rather than taking the run down; motet's Engine runs in a child process of its own.
 
-What is measured per file (best of --repeats timed runs, after an untimed run of every
-scenario):
+What is measured per file, in each engine's child (the best of --repeats timed runs,
+after an untimed run of every scenario); with --rounds R, both children R times, which
+one goes first alternating, and the median of each figure and of each round's ratio
+(peers_report.py): on a shared machine one engine's figures can move by a quarter
+between two runs minutes apart.
   peak RSS  each engine's process at its peak, with its own KV cache (motet's with malloc
             set as the motet command sets it: runtime/allocator.py). Both caches hold
             float16 (each engine's default for a quantized file) and the same positions a
@@ -42,7 +45,6 @@ an earlier run's KV (beyond the shared chat-template opening, reported as reused
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib.util
 import json
 import resource
@@ -52,14 +54,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
+import peers_report as report
+from llama_cpp_peer import install_hint, llama_cpp_runs
 
 STREAMS = 16
-GGML_Q8_0 = 8  # ggml_type: llama.cpp's 8-bit KV cache type
 STREAM_PROMPT = 256
 PREFILL_PROMPT = 512
 NEW_TOKENS = 128
-WARM_TOKENS = 8  # llama.cpp's untimed pass: it has nothing to compile
 
 TOPICS = ["the sea", "a city at night", "winter in the mountains", "an old library",
           "a train journey", "the history of bread", "a thunderstorm", "a small garden",
@@ -71,25 +72,6 @@ NOTES = ("The notes below were gathered over many years of travel, reading and l
          "the light, the sounds and the smells long after the details fade. Old maps, "
          "letters and photographs tell one story; the people who lived there tell another. "
          "Every season changes the place, and every visitor sees something different. ")
-
-# FINDINGS.md's build, each SIMD extension switched on only where this CPU has it (a
-# build with AVX-VNNI on a CPU without it dies of SIGILL in the Q4_1 dot product).
-CPU_FLAGS = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "BMI2": "bmi2",
-             "AVX512": "avx512f", "AVX512_VBMI": "avx512vbmi", "AVX512_VNNI": "avx512_vnni",
-             "AVX512_BF16": "avx512_bf16", "AVX_VNNI": "avx_vnni"}
-
-
-def install_hint() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        have = set(next(l for l in text.splitlines() if l.startswith("flags")).split(":")[1].split())
-    except (OSError, StopIteration):
-        have = set(CPU_FLAGS.values())
-    args = ["-DGGML_NATIVE=OFF"] + [f"-DGGML_{k}={'ON' if v in have else 'OFF'}" for k, v in CPU_FLAGS.items()]
-    args += ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
-    return (f'CMAKE_ARGS="{" ".join(args)}" .venv/bin/pip install --no-cache-dir '
-            "--force-reinstall --no-deps llama-cpp-python==0.3.36 && .venv/bin/pip install diskcache")
-
 
 # ---- the workload -------------------------------------------------------------------
 
@@ -237,99 +219,6 @@ def motet_child_runs(job: dict) -> dict:
             "kv_dtype": model.kv_dtype, "context": context}
 
 
-# ---- llama.cpp (in a child process) ---------------------------------------------------
-
-class LlamaCpp:
-    """A llama.cpp context for `n_seq` sequences, each with its own n_ctx / n_seq cells
-    (llama-server's layout; one unified cache measured 4x slower at 16 streams here, as
-    every sequence attends over all cells), driven batch by batch through the
-    low-level API, greedy argmax in numpy."""
-
-    def __init__(self, path: str, *, threads: int, n_ctx: int, n_seq: int, n_batch: int = 512,
-                 eight_bit_kv: bool = False):
-        import llama_cpp as L
-
-        self.L = L
-        self._quiet = L.llama_log_callback(lambda level, text, user: None)  # keep a reference
-        L.llama_log_set(self._quiet, ctypes.c_void_p(0))
-        L.llama_backend_init()
-        self.model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
-        if not self.model:
-            raise RuntimeError(f"llama.cpp could not load {path}")
-        self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
-        cp = L.llama_context_default_params()
-        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, n_batch, n_batch, n_seq
-        cp.n_threads = cp.n_threads_batch = threads
-        cp.kv_unified = False
-        cp.no_perf = True
-        if eight_bit_kv:
-            cp.type_k = cp.type_v = GGML_Q8_0
-            cp.flash_attn_type = 1  # enabled: a quantized V cache needs it
-        self.ctx = L.llama_init_from_model(self.model, cp)
-        if not self.ctx:
-            raise RuntimeError("llama.cpp could not create a context")
-        self.n_batch = n_batch
-        self.batch = L.llama_batch_init(n_batch, 0, 1)
-
-    def clear(self) -> None:
-        self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
-
-    def _decode(self, rows: list[tuple[int, int, int, bool]]) -> list[int]:
-        """rows: (token, position, sequence, wants logits); greedy tokens of those that do."""
-        b = self.batch
-        b.n_tokens = len(rows)
-        for i, (token, pos, seq, out) in enumerate(rows):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0], b.logits[i] = token, pos, 1, seq, out
-        rc = self.L.llama_decode(self.ctx, b)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc}")
-        logits = (self.L.llama_get_logits_ith(self.ctx, i) for i, row in enumerate(rows) if row[3])
-        return [int(np.ctypeslib.as_array(p, shape=(self.n_vocab,)).argmax()) for p in logits]
-
-    def prefill(self, ids: list[int], seq: int) -> int:
-        for start in range(0, len(ids), self.n_batch):
-            chunk = ids[start : start + self.n_batch]
-            last = start + len(chunk) == len(ids)
-            out = self._decode([(t, start + j, seq, last and j == len(chunk) - 1) for j, t in enumerate(chunk)])
-        return out[0]
-
-    def step(self, tokens: list[int], positions: list[int]) -> list[int]:
-        """One token for each of sequences 0 .. len(tokens) - 1."""
-        return self._decode([(t, p, s, True) for s, (t, p) in enumerate(zip(tokens, positions))])
-
-
-def llama_cpp_runs(job: dict) -> list[dict]:
-    peer = LlamaCpp(job["model"], threads=job["threads"], n_ctx=job["n_ctx"], n_seq=STREAMS,
-                    eight_bit_kv=job["kv"] == "8-bit")
-    out = []
-    for k, w in enumerate(job["runs"]):
-        new = WARM_TOKENS if k == 0 else NEW_TOKENS
-        peer.clear()
-        tokens = [peer.prefill(w["single"], 0)]
-        first = time.perf_counter()
-        for i in range(new - 1):
-            tokens += peer.step(tokens[-1:], [len(w["single"]) + i])
-        single = {"decode_tok_s": (new - 1) / (time.perf_counter() - first), "generated": new, "tokens": tokens}
-
-        peer.clear()
-        started = time.perf_counter()
-        last = [peer.prefill(ids, s) for s, ids in enumerate(w["streams"])]
-        all_prefilled = time.perf_counter()
-        for i in range(new - 1):
-            last = peer.step(last, [len(ids) + i for ids in w["streams"]])
-        end = time.perf_counter()
-        streams = {"aggregate_decode_tok_s": STREAMS * (new - 1) / (end - all_prefilled), "wall_s": end - started,
-                   "tokens_after_all_prefilled": STREAMS * (new - 1), "generated_per_stream": [new] * STREAMS}
-
-        peer.clear()
-        started = time.perf_counter()
-        peer.prefill(w["prefill"], 0)
-        ttft = time.perf_counter() - started
-        out.append({"single": single, "streams": streams,
-                    "prefill": {"tok_s": len(w["prefill"]) / ttft, "ttft_s": ttft}})
-    return out
-
-
 def child(which: str) -> int:
     """The body of a child process: the job on stdin, the result as JSON on stdout, the
     process's own peak RSS in it (each engine measured alone, each file afresh)."""
@@ -362,83 +251,39 @@ def run_child(which: str, job: dict) -> dict | None:
     return None
 
 
-# ---- report -----------------------------------------------------------------------------
-
-def best(runs: list[dict], scenario: str, key: str, lower: bool = False) -> dict:
-    return (min if lower else max)((r[scenario] for r in runs), key=lambda r: r[key])
-
-
-def agreement(a: list[int], b: list[int]) -> int:
-    """Greedy tokens the two engines share before they first differ."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def summarize(runs: list[dict]) -> dict:
-    single = {k: v for k, v in best(runs, "single", "decode_tok_s").items() if k != "tokens"}
-    return {"single": single, "streams": best(runs, "streams", "aggregate_decode_tok_s"),
-            "streams_wall_s": best(runs, "streams", "wall_s", lower=True)["wall_s"],
-            "prefill": best(runs, "prefill", "tok_s")}
-
+# ---- both, in rounds ------------------------------------------------------------------
 
 def compare(name: str, path: Path, args) -> tuple[dict, str] | None:
-    """Both engines on one file: the JSON result and its table."""
+    """Both engines on one file, args.rounds times: the JSON result and its table."""
     from motet.model.loader import load_chat
 
     chat = load_chat(path)
     runs = [workload(chat, run) for run in range(args.repeats + 1)]  # run 0: untimed
-    job = {"model": str(path), "threads": args.threads, "kv": args.kv,
+    job = {"model": str(path), "threads": args.threads, "kv": args.kv, "new_tokens": NEW_TOKENS,
            "n_ctx": STREAMS * -(-(PREFILL_PROMPT + NEW_TOKENS) // 256) * 256,  # cells per sequence
            "runs": [asdict(w) for w in runs]}
-    peer = run_child("llama.cpp", job)
-    ours = run_child("motet", job) if peer is not None else None
-    if ours is None:
-        return None
-    m, p = summarize(ours["runs"][1:]), summarize(peer["runs"][1:])
-    m["peak_rss_mb"], p["peak_rss_mb"] = ours["peak_rss_mb"], peer["peak_rss_mb"]
-    token_ms = 1e3 / m["single"]["decode_tok_s"]
-    m["bare_step_ms"], m["token_interval_ms"] = ours["bare_step_ms"], token_ms
-    m["overhead_ms"] = token_ms - ours["bare_step_ms"]
-    ratios = {"single_decode": m["single"]["decode_tok_s"] / p["single"]["decode_tok_s"],
-              "streams_decode": m["streams"]["aggregate_decode_tok_s"] / p["streams"]["aggregate_decode_tok_s"],
-              "streams_wall_time": m["streams_wall_s"] / p["streams_wall_s"],
-              "prefill": m["prefill"]["tok_s"] / p["prefill"]["tok_s"],
-              "peak_rss": m["peak_rss_mb"] / p["peak_rss_mb"]}
+    rounds = []
+    for i in range(args.rounds):
+        order = ("llama.cpp", "motet") if i % 2 == 0 else ("motet", "llama.cpp")
+        children = {}
+        for which in order:
+            children[which] = run_child(which, job)
+            if children[which] is None:
+                return None
+        rounds.append(report.one_round(children["motet"], children["llama.cpp"], first=order[0]))
+    combined = report.combine(rounds)
     result = {
         "file": name, "model": str(path), "bytes": path.stat().st_size, "kv": args.kv,
         "llama_cpp_threads": args.threads, "timed_runs": args.repeats,
-        "reported": "best of the timed runs; ratios are motet / llama.cpp",
+        "reported": "per round the best of each engine's timed runs; over the rounds the median of each figure "
+                    "and of each ratio (motet / llama.cpp, taken within a round)",
         "workload": {"single_prompt_tokens": [len(w.single) for w in runs[1:]], "new_tokens": NEW_TOKENS,
                      "streams": STREAMS, "stream_prompt_tokens": STREAM_PROMPT,
                      "prefill_prompt_tokens": PREFILL_PROMPT},
-        "motet": m, "llama_cpp": p, "ratios": ratios,
-        "greedy_agreement_tokens": [agreement(a["single"]["tokens"], b["single"]["tokens"])
-                                    for a, b in zip(ours["runs"][1:], peer["runs"][1:])],
+        **combined, "rounds": rounds,
     }
-    rows = [("decode, 1 stream (tok/s)", m["single"]["decode_tok_s"], p["single"]["decode_tok_s"]),
-            (f"decode, {STREAMS} streams (tok/s)", m["streams"]["aggregate_decode_tok_s"],
-             p["streams"]["aggregate_decode_tok_s"]),
-            (f"{STREAMS} streams, wall (s)", m["streams_wall_s"], p["streams_wall_s"]),
-            (f"prefill, {PREFILL_PROMPT} tokens (tok/s)", m["prefill"]["tok_s"], p["prefill"]["tok_s"]),
-            ("peak RSS (MB)", m["peak_rss_mb"], p["peak_rss_mb"])]
-    lines = [f"\n{name} ({path.name}, {path.stat().st_size / 1e6:.0f} MB)"]
-    lines.append(f"{'':<30} {'motet':>8} {'llama.cpp':>9} {'ratio':>6}")
-    for label, a, b in rows:
-        lines.append(f"{label:<30} {a:>8.1f} {b:>9.1f} {a / b:>6.2f}")
-    gen = m["streams"]["generated_per_stream"]
-    lines.append(f"generated: motet {m['single']['generated']} (1 stream), {min(gen)}-{max(gen)} per stream "
-                 f"({m['streams']['stopped_early']} stopped early); llama.cpp {NEW_TOKENS} everywhere "
-                 "(no EOS stop)")
-    lines.append(f"motet per token at 1 stream: {token_ms:.1f} ms; the bare step one at a time "
-                 f"{ours['bare_step_ms']:.1f} ms; the difference {m['overhead_ms']:+.1f} ms (the runtime "
-                 "around the step, less what pipelining hides)")
-    lines.append(f"greedy tokens shared before the engines diverge (1 stream, per run): "
-                 f"{result['greedy_agreement_tokens']} (near-tied logits: llama.cpp quantizes activations)")
-    table = "\n".join(lines)
+    heading = f"\n{name} ({path.name}, {path.stat().st_size / 1e6:.0f} MB), {args.rounds} round(s)"
+    table = report.table(heading, rounds, combined, streams=STREAMS, prefill=PREFILL_PROMPT, new_tokens=NEW_TOKENS)
     print(table, file=sys.stderr)  # progress, while the next file runs
     return result, table
 
@@ -464,7 +309,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--files", default="default,moe-q4km,moe-q8",
                         help="comma-separated: default, moe-q4km, moe-q8 or paths of GGUF files")
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs; the best is reported")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs in each child; the best is taken")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="both engines this many times, alternating which goes first; medians reported")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     parser.add_argument("--kv", choices=("float16", "8-bit"), default="float16",
                         help="both KV caches: float16, or 8-bit (motet int8, llama.cpp q8_0)")
