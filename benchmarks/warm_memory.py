@@ -22,6 +22,7 @@ KINDS = (  # (module, function, what the table calls it)
     ("forward", "_prefill", "prefill steps"),
     ("forward", "_decode_sampled_written", "decode steps"),
     ("forward", "_decode_sampled", "decode steps, written apart"),
+    ("burst", "_burst", "decode bursts"),
     ("kv_writes", "_write_native", "KV writes"),
     ("logit_history", "resample", "penalized resamplings"),
     ("kv", "_take_layer", "slot reads"),
@@ -42,10 +43,10 @@ def main() -> None:
     import trio
 
     from motet.engines.engine import Engine
-    from motet.model import forward, kv, kv_writes, load_model, logit_history
+    from motet.model import burst, forward, kv, kv_writes, load_model, logit_history
     from motet.model.compilation import drop_lowerings
 
-    modules = {"forward": forward, "kv": kv, "kv_writes": kv_writes, "logit_history": logit_history}
+    modules = {"burst": burst, "forward": forward, "kv": kv, "kv_writes": kv_writes, "logit_history": logit_history}
 
     def resident() -> float:
         gc.collect()

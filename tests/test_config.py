@@ -10,7 +10,7 @@ import pytest
 
 from motet.cli.config import build_config
 from motet.cli.flags import build_parser
-from motet.runtime.config import DEFAULT_COMPILE_CACHE, Config
+from motet.runtime.config import DEFAULT_BURST, DEFAULT_COMPILE_CACHE, Config
 
 
 def config(*argv: str, env: dict[str, str] | None = None) -> Config:
@@ -59,6 +59,13 @@ def test_the_prefix_flags_reach_every_engine_command():
     assert (serve.share_prefixes, serve.prefix_cache_gb) == (False, 1.0)
 
 
+def test_the_decode_burst_reaches_every_engine_command():
+    for argv in (["mux"], ["serve"], ["worker", "--role", "mono", "--listen", "127.0.0.1:0"]):
+        assert config(*argv).decode_burst == DEFAULT_BURST
+        assert config(*argv, "--decode-burst", "1").decode_burst == 1
+    assert config("serve", "--decode-burst", "8").serve.decode_burst == 8
+
+
 def test_a_legacy_mux_serves_one_slot_and_keeps_its_sampling():
     built = config("mux", "--temperature", "0.5", env={"SERVE": "1", "KV_SLOTS": "4"})
     assert built.mux.legacy and built.kv_slots == 1 and built.sampling.temperature == 0.5
@@ -71,6 +78,7 @@ def test_a_legacy_mux_serves_one_slot_and_keeps_its_sampling():
     (["serve"], {"MOTET_NUM_PROCESSES": "2"}, "missing: --coordinator"),
     (["chat", "--temperature", "-1"], {}, "temperature"),
     (["serve", "--prefix-cache-gb", "-1"], {}, "--prefix-cache-gb must be >= 0"),
+    (["mux", "--decode-burst", "0"], {}, r"--decode-burst must be in \[1, 16\], got 0"),
     (["worker", "--role", "decode", "--listen", "nowhere"], {}, "HOST:PORT"),
 ])
 def test_a_bad_value_is_refused_with_its_name(argv, env, message):

@@ -22,7 +22,7 @@ from motet.actors.warmup import WarmupPlan, warm_up
 from motet.engines.engine import Engine
 from motet.engines.mux_engine import MuxEngine
 from motet.model.kv import KVGeometry
-from motet.runtime.config import ExpertSettings
+from motet.runtime.config import DEFAULT_BURST, ExpertSettings
 
 TIMEOUT = 600  # seconds per start: a cold one compiles everything
 SLOTS, CONTEXT = 16, 256
@@ -84,7 +84,7 @@ async def test_a_second_start_compiles_nothing_and_no_request_waits_on_the_compi
 
     assert all(a.choices[0].text for a in answers) and len(answers) == 2 * BURST
     cold, warm = first["startup"], second["startup"]
-    plan = WarmupPlan.of(KVGeometry(SLOTS, CONTEXT, 256))
+    plan = WarmupPlan.of(KVGeometry(SLOTS, CONTEXT, 256), burst=DEFAULT_BURST)
     assert cold["shapes"] == warm["shapes"] == len(plan.shapes)
     assert cold["compiled"] > len(plan.shapes)  # a step, its KV write, its sampler...
     assert warm["compiled"] == 0  # the second start took every executable from the cache
@@ -120,6 +120,7 @@ async def check_every_path_is_warm(engine: Engine, folder) -> None:
 
     await burst(ask, 1)
     await burst(ask, 2)
+    await engine.complete(prompt(5, 4), max_tokens=12)  # alone: a decode burst (where a plan has one)
     await engine.prefill(prompt(4, 3), slot=0)
     saved = await engine.save_slot(0, folder / "slot0")
     await engine.restore_slot(1, folder / "slot0")
@@ -160,6 +161,7 @@ def test_motet_info_says_what_an_engine_compiles():
     assert "compiled before ready (4 KV slots, context 256" in out
     assert "5 prefill chunks" in out and "16, 32, 64, 128, 256 tokens" in out
     assert "3 decode batches" in out and "1, 2, 4 rows" in out
+    assert "1 one-row decode bursts" in out and f"{DEFAULT_BURST} steps" in out
     assert "slot reads and writes" in out
 
 

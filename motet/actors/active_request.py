@@ -61,7 +61,10 @@ class Active:
     def count_experts(self, experts: np.ndarray) -> None:
         add_routing(self.expert_counts, experts)
 
-    def count_step(self, step: ExpertStep) -> None:
+    def count_step(self, step: ExpertStep, decode_s: float = 0.0, sample_s: float = 0.0) -> None:
+        """A device call's expert traffic, and the seconds a decode call took (its sampling apart)."""
+        self.decode_s += decode_s
+        self.sample_s += sample_s
         self.pool_lookups += step.lookups
         self.pool_hits += step.hits
         self.expert_wait_s += step.wait_s

@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 import jax
 import numpy as np
 
-from ..model.expert_pool import DEVICE, ExpertPool, ExpertReader, Placement
+from ..model.burst import BURST_ROWS, bursts_run, dispatch_burst, read_burst
+from ..model.expert_pool import ExpertPool, ExpertReader, Placement
 from ..model.expert_source import ArrayExpertReader, with_packed_experts
 from ..model.forward import empty_carry
 from ..model.generate import dispatch_decode, model_kv_sharding, padded_rows, prefill_slot, read_decode
@@ -29,12 +30,13 @@ from ..model.logit_history import begin, empty_history, resample, sample_with_hi
 from ..model.model import Model
 from ..model.sampling import native_unless_on, open_mask, request_key, sample
 from ..model.sharding import MeshSpec, mesh_of, model_mesh, place_weights
-from ..model.tiered import EXPERT_KEYS, shared_weight_bytes, shared_weights
+from ..model.tiered import shared_model_weights, shared_weight_bytes
 from ..model.tiered_model import TieredModel
 from ..protocol.mirror import Op, encode
 from ..runtime.api import ExpertTiers
 from .expert_policy import ExpertPlan
 from .step_rows import DecodeInFlight, Sampled, SamplingRow, sampled_rows, sampling_arrays
+from .tier_snapshot import tiers_snapshot
 
 # Loads one placement may start per layer between two steps: re-pinning catches up over
 # a few steps instead of stalling one.
@@ -60,14 +62,16 @@ class ExpertStep:
 class ModelRunner:
     def __init__(self, model: Model, geo: KVGeometry, plan: ExpertPlan | None = None, *,
                  prefetch: bool = True, rank: np.ndarray | None = None,
-                 mesh: MeshSpec | str | None = None, mirror: Callable[[bytes], None] | None = None):
+                 mesh: MeshSpec | str | None = None, mirror: Callable[[bytes], None] | None = None,
+                 burst: int = 1):
         """plan: resident (None) or tiered experts; rank: the initial heat per (MoE layer,
         expert) the tiered pool starts from (hottest first onto the device); mesh: shard
         the weights and the KV over several devices (model/sharding.py) — weights loaded
         onto that mesh already stay where they are. mirror: on process 0 of a group
         (actors/device_group.py), where each device call goes as a frame first (START
         now, with the geometry and the experts' plan), for the other processes to repeat
-        (actors/follower.py): they move their pools' experts alike."""
+        (actors/follower.py): they move their pools' experts alike. burst: the most
+        decode steps one call may take for the rows burst_steps allows (1: none)."""
         cfg = model.config
         tiered_plan = plan if plan is not None and plan.mode == "tiered" else None
         tiered = tiered_plan is not None
@@ -91,6 +95,9 @@ class ModelRunner:
             model = replace(model, weights=shared_model_weights(model.weights))  # the pool holds them
         self.geo = geo
         self.mirror = mirror
+        if burst < 1:
+            raise ValueError(f"a burst takes at least 1 step, got {burst}")
+        self.burst = burst
         self._mirror(Op.START, geo.n_slots, geo.max_context, geo.chunk, fingerprint(model), plan, rank, prefetch)
         if model.expert_reader is not None and not tiered:
             # loaded lazily, and the plan keeps them resident: read in after START, as the
@@ -124,7 +131,7 @@ class ModelRunner:
             self.pool.fill(np.zeros((p.layers, p.experts)) if rank is None else rank)
             self.pool.take_stats()  # the start-up loads are not a step's moves
             self.tiered = TieredModel(model, self.pool, prefetch=prefetch)
-        self._tiers = self._snapshot()
+        self._tiers = tiers_snapshot(self.model, self.pool, self.totals, self.shared_bytes, self.rows, self.cols)
 
     @staticmethod
     def new_key(seed: int) -> np.ndarray:
@@ -205,14 +212,17 @@ class ModelRunner:
         return self.collect(self.dispatch(tokens, slots, positions, rows, chained))
 
     def dispatch(self, tokens: list[int], slots: list[int], positions: list[int],
-                 rows: list[SamplingRow], chained: Sequence[bool] = (), defer: bool = False) -> DecodeInFlight:
+                 rows: list[SamplingRow], chained: Sequence[bool] = (), defer: bool = False,
+                 steps: int = 1) -> DecodeInFlight:
         """Start one batched step: each row feeds its token at its position in its slot,
         then samples its next token (in the step's own compiled call, but for tiered
         experts). A row with chained[i] set goes on from the last step that fed its slot:
         it feeds the token that step sampled, with the key it left (tokens[i] and
         rows[i].key are not read), whether or not that step has been collected. Rows
         with penalties or a mask are sampled again (finish) right away, or with defer
-        (`defers`) when the caller finishes the step with its rows' newer masks."""
+        (`defers`) when the caller finishes the step with its rows' newer masks. steps
+        > 1 (at most burst_steps): a burst, each row fed its token at positions[i], then
+        what it sampled at each next position (read with collect_steps)."""
         self._mirror(Op.DECODE, tokens, slots, positions, rows, list(chained))
         if self.tiered is not None:
             if any(chained):
@@ -223,12 +233,26 @@ class ModelRunner:
         if defer and not self.defers:
             raise ValueError("a group's leader does not defer a step's sampling (ModelRunner.defers)")
         *cuts, keys, _, _ = sampling_arrays(rows, batch_bucket(len(rows)))
+        if steps > 1:
+            if steps > self.burst_steps(rows):
+                raise ValueError(f"these rows take at most {self.burst_steps(rows)} steps a call, not {steps}")
+            packed, self.kv, self.carry = dispatch_burst(
+                self.model, self.kv, self.geo, tokens, slots, positions, (*cuts, keys), any(r.want_top for r in rows),
+                self.carry, chained, steps, self.burst)
+            return DecodeInFlight(tuple(rows), packed, steps=steps)
         packed, self.kv, self.carry, logits, fed = dispatch_decode(
             self.model, self.kv, self.geo, tokens, slots, positions, (*cuts, keys), any(r.want_top for r in rows),
             self.carry, chained)
         padded_slots = padded_rows(self.geo, tokens, slots, positions)[1]
         step = DecodeInFlight(tuple(rows), packed, deferred=(logits, fed, padded_slots))
         return step if defer else self.finish(step, rows)
+
+    def burst_steps(self, rows: list[SamplingRow]) -> int:
+        """The most steps one dispatch may take for these rows: `burst` for one row that
+        samples plainly, where its steps chain and the cache takes the native write
+        (model/burst.py); else 1."""
+        plain = 1 <= len(rows) <= BURST_ROWS and all(not r.uses_history and r.allowed is None for r in rows)
+        return self.burst if plain and self.defers and bursts_run(self.model.weights, self.kv[0]) else 1
 
     @property
     def defers(self) -> bool:
@@ -254,12 +278,22 @@ class ModelRunner:
 
     def collect(self, step: DecodeInFlight) -> list[Sampled]:
         """A dispatched step's results, one per row (waiting for the device)."""
+        if step.steps > 1:
+            raise ValueError("a burst is read with collect_steps")
         if step.deferred:
             raise ValueError("a deferred step is read after ModelRunner.finish")
         if step.packed is None:
             return list(step.results)
         drawn, experts = read_decode(self.model, step.packed, len(step.rows))
         return sampled_rows(list(step.rows), drawn, experts)
+
+    def collect_steps(self, step: DecodeInFlight) -> list[list[Sampled]]:
+        """A dispatched step's or burst's results: per step, one per row."""
+        if step.steps == 1:
+            return [self.collect(step)]
+        rows = list(step.rows)
+        return [sampled_rows(rows, drawn, experts)
+                for drawn, experts in read_burst(self.model, step.packed, len(rows), step.steps)]
 
     def sample_logits(self, logits, rows: list[SamplingRow], experts: np.ndarray, slots: Sequence[int],
                       fed: Sequence[int] = ()) -> list[Sampled]:
@@ -348,36 +382,11 @@ class ModelRunner:
         self.totals += (stats.lookups, stats.hits, stats.guessed, stats.guessed_right,
                         stats.routed_after_guess)
         moves = tuple((m.layer, m.expert, m.old_tier, m.new_tier) for m in stats.moves)
-        self._tiers = self._snapshot()
+        self._tiers = tiers_snapshot(self.model, self.pool, self.totals, self.shared_bytes, self.rows, self.cols)
         return ExpertStep(stats.lookups, stats.hits, moves, self._tiers, stats.load_s, stats.read_s)
 
     def expert_tiers(self) -> ExpertTiers:
         return self._tiers
-
-    def _snapshot(self) -> ExpertTiers:
-        rows, cols = self.rows, self.cols
-        if self.pool is None:
-            expert_bytes = sum(
-                leaf.nbytes for layer in self.model.weights["layers"] for key, leaf in layer.items()
-                if key in EXPERT_KEYS
-            )
-            n = rows * cols
-            return ExpertTiers("resident", rows, cols, bytes([DEVICE]) * n, n, 0, 0,
-                               (self.shared_bytes + expert_bytes) / 1e9, 0.0, cols, gpus=_gpus(n))
-        pool = self.pool
-        device, ram, disk = pool.counts()
-        lookups, hits, guessed, right, routed = (int(x) for x in self.totals)
-        return ExpertTiers(
-            "tiered", rows, cols, pool.tier_map().tobytes(), device, ram, disk,
-            (self.shared_bytes + pool.device_bytes()) / 1e9, pool.ram_bytes() / 1e9, pool.C,
-            lookups, hits, guessed, right, routed, gpus=_gpus(device),
-        )
-
-
-def shared_model_weights(weights: dict) -> dict:
-    """The weights without the experts (a tiered model's pool holds those)."""
-    return {**weights, "layers": [shared_weights(layer) for layer in weights["layers"]]}
-
 
 def fingerprint(model: Model) -> str:
     """What the processes of a group must have loaded alike: the model's geometry, its
@@ -386,15 +395,3 @@ def fingerprint(model: Model) -> str:
     what = (model.config, str(model.weights["lm_head"].dtype), None if mesh is None else dict(mesh.shape),
             model.weight_format, model.kv_dtype)
     return hashlib.sha256(repr(what).encode()).hexdigest()[:16]
-
-
-def _gpus(experts: int) -> tuple[tuple[float, float, int], ...]:
-    """Per GPU: memory used and total (GB, as the device reports them) and experts held
-    (this engine places all on the first). None on a CPU-only host."""
-    gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
-    out = []
-    for i, device in enumerate(gpus):
-        stats = device.memory_stats() or {}
-        out.append((stats.get("bytes_in_use", 0) / 1e9, stats.get("bytes_limit", 0) / 1e9,
-                    experts if i == 0 else 0))
-    return tuple(out)

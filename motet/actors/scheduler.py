@@ -32,13 +32,15 @@ from .kv_slot import Claim, Extend, KVSlot, Release, SetHistory
 from .policy import StopMatcher, refusal
 from .prefix_cache import PrefixCache
 from .publisher import Publisher
-from .runner import ModelRunner
+from .runner import ExpertStep, ModelRunner
 from .scheduler_messages import Accepted, Cancel, Drain, StopNow, Submit, Subscribe, refuse_queued
 from .slot_io import FreeSlot, HoldSlot, ReadLayers, WriteLayers
 from .slot_transfers import SlotTransfers, Transfer
-from .step_rows import FILLER_ROW, DecodeInFlight, Sampled, next_step_rows
+from .step_rows import FILLER_ROW, DecodeInFlight, Sampled, dispatch_steps, next_step_rows
 
 log = logging.getLogger(__name__)
+
+NO_TRAFFIC = ExpertStep()  # a burst's later steps: its expert traffic counts with its first
 
 
 class Scheduler:
@@ -257,47 +259,55 @@ class Scheduler:
         await self._accept_token(act, sampled)
 
     async def _decode_step(self):
-        """Read one decode step back and hand out its tokens. When the runner chains
-        steps, the step after it is dispatched first, fed on the device with the tokens
-        this one sampled: the device computes step t + 1 while the host reads,
-        detokenizes and sends step t (a row that ended at step t computed one token more,
-        dropped: its KV past the slot's history is never read). Where a row has a
-        grammar, step t + 1 is sampled in the next round (runner.finish), once its masks
-        know token t."""
+        """Read one decode step (or a burst of several: _next_rows) back and hand out its
+        tokens. When the runner chains steps, the step after it is dispatched first, fed
+        on the device with the tokens this one sampled: the device computes step t + 1
+        while the host reads, detokenizes and sends step t (a row that ended at step t
+        computed one token more, dropped: its KV past the slot's history is never read).
+        Where a row has a grammar, step t + 1 is sampled in the next round
+        (runner.finish), once its masks know token t."""
         current = self.ahead
         fresh = self._next_rows([]) if current is None else None
-        unread = (current or fresh)[0]
+        unread, unread_steps = (current[0], current[1].steps) if current else (fresh[0], fresh[2])
         constrained = any(self.active[rid].submit.constraint is not None for rid in self.decoding)
         ahead = self.runner.chains and (self.runner.defers or not constrained)
-        following = self._next_rows(unread, masked=not constrained) if ahead else ([], None)
+        following = self._next_rows(unread, not constrained, unread_steps) if ahead else ([], None, 1)
         deferred = current is not None and current[1].deferred  # sampled with its rows as they are now
         renewed = [a.sampling_row() if self._decoding(a) else FILLER_ROW for a in current[0]] if deferred else []
-        started, sampling = time.perf_counter(), self.runner.sample_seconds
+        started, sampling, run = time.perf_counter(), self.runner.sample_seconds, self.runner
 
         def work():
-            step = self.runner.finish(current[1], renewed) if current else self.runner.dispatch(*fresh[1])
-            after = (following[0], self.runner.dispatch(*following[1], defer=constrained)) if following[0] else None
-            return unread, self.runner.collect(step), after
+            step = run.finish(current[1], renewed) if current else run.dispatch(*fresh[1], steps=fresh[2])
+            after = ((following[0], run.dispatch(*following[1], defer=constrained, steps=following[2]))
+                     if following[0] else None)
+            return unread, run.collect_steps(step), after
 
-        (acts, results, self.ahead), step = await self._on_device(work)
+        (acts, by_step, self.ahead), step = await self._on_device(work)
         sample_s = self.runner.sample_seconds - sampling
         decode_s = time.perf_counter() - started - sample_s
-        # a row that ended after this step was dispatched computed a token nobody reads
-        live = [(act, sampled) for act, sampled in zip(acts, results) if self._decoding(act)]
-        self.publisher.routing([sampled.experts for _, sampled in live], len(live), step)
-        for act, sampled in live:
-            act.count_step(step)
-            act.decode_s += decode_s
-            act.sample_s += sample_s
-            await self.slots[act.slot].inbox.send.send(Extend((act.next_token,)))
-            act.position += 1
-            if act.rid in self.active:
-                await self._accept_token(act, sampled)
+        for i, results in enumerate(by_step):
+            # a row that ended after this step was dispatched computed a token nobody reads
+            live = [(act, sampled) for act, sampled in zip(acts, results) if self._decoding(act)]
+            self.publisher.routing([sampled.experts for _, sampled in live], len(live), step if i == 0 else NO_TRAFFIC)
+            for act, sampled in live:
+                if i == 0:
+                    act.count_step(step, decode_s, sample_s)
+                await self.slots[act.slot].inbox.send.send(Extend((act.next_token,)))
+                act.position += 1
+                if act.rid in self.active:
+                    await self._accept_token(act, sampled)
         if self.ahead is not None and not any(self._decoding(a) for a in self.ahead[0]):
             self.ahead = None
 
-    def _next_rows(self, unread: list[Active], masked: bool = True):
-        return next_step_rows(unread, [self.active[r] for r in self.decoding], self._decoding, self.max_context, masked)
+    def _next_rows(self, unread: list[Active], masked: bool = True, unread_steps: int = 1):
+        """next_step_rows's rows and arguments, and the steps their dispatch takes: one while a
+        prompt waits or a row has a grammar (checked token by token, even before its `after`
+        text), else as many as a burst may (step_rows.dispatch_steps)."""
+        rows, args = next_step_rows(unread, [self.active[r] for r in self.decoding], self._decoding, self.max_context,
+                                    masked, unread_steps)
+        grammar = any(a.submit.constraint is not None for a in rows)
+        most = 1 if self.prefilling or self.table.queue or grammar else self.runner.burst_steps(args[3])
+        return rows, args, dispatch_steps(rows, args, most, self.max_context)
 
     def _decoding(self, act: Active) -> bool:
         return self.active.get(act.rid) is act and act.rid in self.decoding
@@ -333,9 +343,8 @@ class Scheduler:
         act.emitted += 1
         act.token_ids.append(token)
         text, stopped = act.stops.push(act.watch(act.detok.push(token)))
-        top = tuple(
-            TopCandidate(tid, self.tokenizer.decode([tid]), lp) for tid, lp in sampled.top
-        )[: act.request.top_logprobs]
+        top = tuple(TopCandidate(tid, self.tokenizer.decode([tid]), lp)
+                    for tid, lp in sampled.top[: act.request.top_logprobs])
         if not tell(act.submit, TokenEvent(act.rid, text, token, sampled.logprob, top)):
             await self._finish(act, "cancelled")
             return

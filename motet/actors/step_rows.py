@@ -73,12 +73,14 @@ class DecodeInFlight:
     """A decode step dispatched and not yet read back: its rows, and its output on the
     device (tiered: its results, sampled already). deferred: a step whose rows are yet
     to be sampled again with their history and masks (ModelRunner.finish): its logits,
-    what its rows fed and its padded slots."""
+    what its rows fed and its padded slots. steps: more than one for a burst (its
+    packed output holds a step's in each row)."""
 
     rows: tuple[SamplingRow, ...]
     packed: object = None
     results: tuple[Sampled, ...] = ()
     deferred: tuple = ()
+    steps: int = 1
 
 
 def sampling_arrays(rows: list[SamplingRow], bucket: int):
@@ -138,13 +140,14 @@ Row = TypeVar("Row", bound=StepRow)
 
 
 def next_step_rows(unread: list[Row], decoding: list[Row], goes_on: Callable[[Row], bool], max_context: int,
-                   masked: bool = True):
+                   masked: bool = True, unread_steps: int = 1):
     """The rows of the next decode step (the scheduler's Active requests) and the runner's
-    arguments for them. unread: the rows of a step dispatched and not yet read back;
-    those that go on (goes_on) are chained to it (their token is on the device), unless
-    they end at it for their length. Every other row of `decoding` feeds its token from
-    the host. masked=False: the rows without their grammars' bitmasks (a deferred step's)."""
-    rows = [a for a in unread if goes_on(a) and not ends_at_unread_step(a, max_context)]
+    arguments for them. unread: the rows of a step (or a burst of unread_steps steps)
+    dispatched and not yet read back; those that go on (goes_on) are chained to it
+    (their token is on the device), unless they end in it for their length. Every other
+    row of `decoding` feeds its token from the host. masked=False: the rows without
+    their grammars' bitmasks (a deferred step's)."""
+    rows = [a for a in unread if goes_on(a) and not ends_at_unread_step(a, max_context, unread_steps)]
     chained = [True] * len(rows)
     in_unread = set(map(id, unread))  # by identity: a request's fields hold arrays
     for act in decoding:
@@ -152,11 +155,23 @@ def next_step_rows(unread: list[Row], decoding: list[Row], goes_on: Callable[[Ro
             rows.append(act)
             chained.append(False)
     tokens = [0 if link else a.next_token for a, link in zip(rows, chained)]
-    positions = [a.position + link for a, link in zip(rows, chained)]
+    positions = [a.position + unread_steps * link for a, link in zip(rows, chained)]
     args = (tokens, [a.slot for a in rows], positions, [a.sampling_row(masked) for a in rows], chained)
     return rows, args
 
 
-def ends_at_unread_step(act: StepRow, max_context: int) -> bool:
-    """Whether the unread step a request is in ends it for its length, whatever it samples."""
-    return act.emitted + 1 >= act.request.max_tokens or act.position + 2 >= max_context
+def ends_at_unread_step(act: StepRow, max_context: int, steps: int = 1) -> bool:
+    """Whether the unread step (or burst of `steps`) a request is in ends it for its
+    length, whatever it samples."""
+    return act.emitted + steps >= act.request.max_tokens or act.position + steps + 1 >= max_context
+
+
+def dispatch_steps(rows: list[StepRow], args, most: int, max_context: int) -> int:
+    """How many steps a dispatch of these rows (next_step_rows's) takes: `most` (the
+    runner's burst_steps) where every row has that many tokens to go before its
+    max_tokens or the context ends it (a row chained to an unread step is that step's
+    tokens further on), else one."""
+    positions = args[2]
+    fits = all(a.emitted + (p - a.position) + most <= a.request.max_tokens and p + most + 1 <= max_context
+               for a, p in zip(rows, positions))
+    return most if fits else 1

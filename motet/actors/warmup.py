@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..model.attention import ATTN_BLOCK
+from ..model.burst import BURST_ROWS, lower_decode_burst
 from ..model.compilation import (
     CompileCount,
     CompileCounter,
@@ -41,12 +42,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("motet.engines.engine")
 
-PREFILL, DECODE, SLOT_WIDTH, EXPERT_MOVE = "prefill", "decode", "slot", "experts"
+PREFILL, DECODE, BURST, SLOT_WIDTH, EXPERT_MOVE = "prefill", "decode", "burst", "slot", "experts"
 
-_UNITS = {PREFILL: "tokens", DECODE: "rows", SLOT_WIDTH: "positions", EXPERT_MOVE: "experts"}
+_UNITS = {PREFILL: "tokens", DECODE: "rows", BURST: "steps", SLOT_WIDTH: "positions", EXPERT_MOVE: "experts"}
 _WHAT = {
     PREFILL: "prefill chunks (the step, its KV write, sampling the first token)",
     DECODE: "decode batches (the step, its KV write, sampling with top-p and top logprobs)",
+    BURST: "one-row decode bursts (several steps a call, where the cache takes the native write)",
     SLOT_WIDTH: "slot reads and writes (sessions, handovers)",
     EXPERT_MOVE: "expert uploads and copies back (tiered pools)",
 }
@@ -54,8 +56,8 @@ _WHAT = {
 
 @dataclass(frozen=True)
 class WarmShape:
-    kind: str  # PREFILL, DECODE, SLOT_WIDTH or EXPERT_MOVE
-    size: int  # tokens, rows, positions or experts
+    kind: str  # PREFILL, DECODE, BURST, SLOT_WIDTH or EXPERT_MOVE
+    size: int  # tokens, rows, steps, positions or experts
 
     def __str__(self) -> str:
         return f"{self.kind} {self.size} {_UNITS[self.kind]}"
@@ -66,11 +68,14 @@ class WarmupPlan:
     shapes: tuple[WarmShape, ...]
 
     @classmethod
-    def of(cls, geo: KVGeometry, pool_slots: int | None = None) -> WarmupPlan:
+    def of(cls, geo: KVGeometry, pool_slots: int | None = None, burst: int = 1) -> WarmupPlan:
         """The shapes of an engine with this geometry; pool_slots: its tiered pool's slots
-        per layer (None: the experts are resident)."""
+        per layer (None: the experts are resident); burst: the most decode steps one call
+        takes (model/burst.py; a tiered pool moves between steps, so takes one)."""
         shapes = [WarmShape(PREFILL, t) for t in geo.prefill_chunks()]
         shapes += [WarmShape(DECODE, b) for b in geo.decode_batches()]
+        if burst > 1 and pool_slots is None:
+            shapes.append(WarmShape(BURST, burst))
         shapes += [WarmShape(SLOT_WIDTH, w) for w in geo.slot_widths()]
         if pool_slots is not None:
             shapes += [WarmShape(EXPERT_MOVE, n) for n in move_sizes(pool_slots)]
@@ -214,6 +219,9 @@ def _lowerings(runner: ModelRunner, plan: WarmupPlan):
         lower = {PREFILL: lower_prefill, DECODE: decode}.get(shape.kind)
         if lower is not None:
             yield shape, partial(lower, weights, k, v, shape.size, cfg=runner.model.config, moe_impl=impl)
+        elif shape.kind == BURST and runner.burst_steps([WARM_ROW]) == shape.size:
+            yield shape, partial(lower_decode_burst, weights, k, v, BURST_ROWS, most=shape.size,
+                                 cfg=runner.model.config, moe_impl=impl)
 
 
 def _warm_shape(runner: ModelRunner, shape: WarmShape) -> None:
@@ -235,6 +243,10 @@ def _warm_shape(runner: ModelRunner, shape: WarmShape) -> None:
             runner.decode([0] * n, [scratch] * n, [position] * n, [constrained] * n)
         else:
             runner.warm_pool_decode(n, position, [WARM_ROW, constrained])
+    elif shape.kind == BURST:
+        if runner.burst_steps([WARM_ROW]) == n:  # not where the cache or the mesh rules bursts out
+            position = min(ATTN_BLOCK, geo.max_context - 1 - n)
+            runner.collect_steps(runner.dispatch([0], [scratch], [position], [WARM_ROW], steps=n))
     elif shape.kind == SLOT_WIDTH:
         pairs = runner.read_layers(scratch, 0, 1, n)
         runner.write_layers(scratch, 0, pairs)

@@ -49,7 +49,7 @@ def cmd_info(config: Config) -> int:
                  f"(and a scratch slot, {geo.length} positions each): {kv_mb:.1f} MB")
     lines.append(f"compiled before ready ({slots} KV slots, context {context}, prefill chunks of "
                  f"{PREFILL_CHUNK}; experts resident):")
-    lines += [f"  {line}" for line in WarmupPlan.of(geo).describe()]
+    lines += [f"  {line}" for line in WarmupPlan.of(geo, burst=config.decode_burst).describe()]
     sys.stdout.write("\n".join(lines) + "\n")  # the answer the user asked for, as chat's is
     return 0
 
@@ -137,7 +137,7 @@ def cmd_mux(config: Config, mirror=None) -> int:
         async with Engine(loaded, kv_slots=config.kv_slots, max_context=mux.context, experts=mux.experts,
                           mesh=settings.mesh, mirror=mirror, compile_cache=settings.compile_cache,
                           warm_up=config.warm_up, share_prefixes=config.share_prefixes,
-                          prefix_cache_gb=config.prefix_cache_gb) as engine:
+                          prefix_cache_gb=config.prefix_cache_gb, decode_burst=config.decode_burst) as engine:
             stdin = trio.lowlevel.FdStream(os.dup(0))
             stdout = trio.lowlevel.FdStream(protocol_fd)
             if mux.legacy:

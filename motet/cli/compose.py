@@ -42,7 +42,7 @@ async def open_engine(settings: ServeSettings, model, mirror=None):
                           queue_limit=settings.queue_limit, experts=settings.experts,
                           mirror=mirror, compile_cache=settings.compile_cache,
                           warm_up=settings.warm_up, share_prefixes=settings.share_prefixes,
-                          prefix_cache_gb=settings.prefix_cache_gb) as engine:
+                          prefix_cache_gb=settings.prefix_cache_gb, decode_burst=settings.decode_burst) as engine:
             yield engine
         return
     from ..engines.mux_engine import MuxEngine
@@ -97,7 +97,7 @@ def run_worker(config: Config) -> int:
     engine = dict(kv_slots=config.kv_slots, max_context=model.max_context or 4096, dtype=model.dtype,
                   kv_dtype=model.kv_dtype, mesh=model.mesh, compile_cache=model.compile_cache,
                   warm_up=config.warm_up, share_prefixes=config.share_prefixes,
-                  prefix_cache_gb=config.prefix_cache_gb)
+                  prefix_cache_gb=config.prefix_cache_gb, decode_burst=config.decode_burst)
     try:
         with sole_error():
             trio.run(serve_worker, model.path, engine, settings)

@@ -9,7 +9,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..runtime.config import (
+    DEFAULT_BURST,
     DEFAULT_COMPILE_CACHE,
+    MAX_BURST,
     ChatSettings,
     Config,
     DistributedSettings,
@@ -33,9 +35,12 @@ def build_config(args, env: Mapping[str, str]) -> Config:
     group = distributed_settings(args, env) if command in ("mux", "serve") else None
     if getattr(args, "prefix_cache_gb", 0.0) < 0:
         raise ValueError(f"--prefix-cache-gb must be >= 0, got {args.prefix_cache_gb}")
+    if not 1 <= getattr(args, "decode_burst", DEFAULT_BURST) <= MAX_BURST:
+        raise ValueError(f"--decode-burst must be in [1, {MAX_BURST}], got {args.decode_burst}")
     config = Config(command, model, experts=experts, group=group, warm_up=getattr(args, "warm_up", True),
                     share_prefixes=getattr(args, "share_prefixes", True),
-                    prefix_cache_gb=getattr(args, "prefix_cache_gb", 0.0))
+                    prefix_cache_gb=getattr(args, "prefix_cache_gb", 0.0),
+                    decode_burst=getattr(args, "decode_burst", DEFAULT_BURST))
     match command:
         case "chat":
             sampling = SamplingSettings(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -143,6 +148,7 @@ def serve_settings(args, env: Mapping[str, str], model: ModelSettings, experts: 
         split=SplitSettings.from_json(args.split) if args.split is not None else None,
         send_timeout_s=args.send_timeout, compile_cache=model.compile_cache, warm_up=args.warm_up,
         share_prefixes=args.share_prefixes, prefix_cache_gb=args.prefix_cache_gb, tool_parser=args.tool_parser,
+        decode_burst=args.decode_burst,
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..runtime.config import EXPERT_MODES
+from ..runtime.config import DEFAULT_BURST, EXPERT_MODES
 from ..runtime.kv_format import KV_DTYPE_CHOICES
 from ..runtime.serve_settings import TOOL_FAMILIES
 
@@ -40,6 +40,9 @@ def _add_warm_up_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-gb", type=float, default=0.0, metavar="GB",
                    help="host RAM for prefixes pushed out of the KV slots, written back when a prompt "
                    "starts with one (default 0: none kept)")
+    p.add_argument("--decode-burst", type=int, default=DEFAULT_BURST, metavar="N",
+                   help=f"decode steps of one stream a device call takes while no other request waits and it "
+                   f"samples plainly (default {DEFAULT_BURST}; 1: one a call); its tokens arrive N at a time")
 
 
 def _add_group_flags(p: argparse.ArgumentParser) -> None:

@@ -44,18 +44,17 @@ from ..runtime.api import (
 )
 from ..runtime.choices import Choices, choice_fields
 from ..runtime.collect import Collected
-from ..runtime.config import DEFAULT_COMPILE_CACHE, ExpertSettings
+from ..runtime.config import DEFAULT_BURST, DEFAULT_COMPILE_CACHE, ExpertSettings
 from ..runtime.errors import EngineClosed, NotFound
 from ..runtime.experts import HITS_EVERY, ExpertMap, turn_entropy
-from ..runtime.kv_format import KV_DTYPE_CHOICES
 from ..runtime.service import Service
 from . import sessions, tokens
+from .engine_args import MAX_SLOTS, check_engine_arguments
 from .experts_plan import plan_engine_experts
 from .submission import submit_of, submitted
 
 log = logging.getLogger(__name__)
 
-MAX_SLOTS = 16
 PREFILL_CHUNK = 256  # tokens a prefill step reads at most (running decodes get a step between chunks)
 
 
@@ -77,6 +76,7 @@ class Engine(Service, Collected):
         warm_up: bool = True,
         share_prefixes: bool = True,
         prefix_cache_gb: float = 0.0,
+        decode_burst: int = DEFAULT_BURST,
     ):
         """dtype: "auto" runs a quantized file's weights as it holds them; "float32" or
         "bfloat16" dequantizes every weight; "int8" or "int4" (the CLI's --quantize) is
@@ -97,13 +97,10 @@ class Engine(Service, Collected):
         share_prefixes: a prompt whose prefix another slot holds, busy or idle, starts
         from a device copy of it when that beats reading it (the warm-up times both).
         prefix_cache_gb: host RAM for prefixes pushed out of the slots, written back into
-        a slot when a prompt starts with one (0: none kept)."""
-        if not 1 <= kv_slots <= MAX_SLOTS:
-            raise ValueError(f"kv_slots must be in [1, {MAX_SLOTS}], got {kv_slots}")
-        if kv_dtype not in KV_DTYPE_CHOICES:
-            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPE_CHOICES)}, got {kv_dtype!r}")
-        if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
-            raise ValueError(f"prefill_chunk must be a power of two >= 16, got {prefill_chunk}")
+        a slot when a prompt starts with one (0: none kept).
+        decode_burst: the most decode steps of one stream a device call takes (1 to 16) while
+        no other request waits and it samples plainly: its tokens arrive that many at a time."""
+        check_engine_arguments(kv_slots, kv_dtype, prefill_chunk, decode_burst, prefix_cache_gb)
         self._model_arg = model
         self.kv_slots = kv_slots
         self.max_context = max_context
@@ -117,8 +114,7 @@ class Engine(Service, Collected):
         self.compile_cache = compile_cache
         self.warm_up = warm_up
         self.share_prefixes = share_prefixes
-        if prefix_cache_gb < 0:
-            raise ValueError(f"prefix_cache_gb must be >= 0, got {prefix_cache_gb}")
+        self.decode_burst = decode_burst
         self.prefix_store_bytes = int(prefix_cache_gb * 1e9)
         self._clock: StartupClock | None = None
         self.expert_plan: ExpertPlan | None = None
@@ -157,7 +153,7 @@ class Engine(Service, Collected):
         runner = await trio.to_thread.run_sync(
             partial(ModelRunner, self.model, geo, expert_plan,
                     prefetch=self.expert_settings.prefetch, rank=policy.rank() if policy else None,
-                    mesh=self.mesh, mirror=self._mirror)
+                    mesh=self.mesh, mirror=self._mirror, burst=self.decode_burst)
         )
         clock.loaded = time.monotonic()
         plan = self.warmup_plan(geo)
@@ -197,7 +193,8 @@ class Engine(Service, Collected):
     def warmup_plan(self, geo: KVGeometry) -> WarmupPlan:
         """The shapes this engine compiles before it is ready (once its model is known)."""
         plan = self.expert_plan
-        return WarmupPlan.of(geo, plan.pool_slots if plan is not None and plan.mode == "tiered" else None)
+        return WarmupPlan.of(geo, plan.pool_slots if plan is not None and plan.mode == "tiered" else None,
+                             self.decode_burst)
 
     def startup(self) -> StartupReport | None:
         """How this engine started (None before it is ready), with the executables

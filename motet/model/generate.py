@@ -125,8 +125,11 @@ def dispatch_decode(model: Model, kv, geo: KVGeometry, tokens: Sequence[int], sl
 def read_decode(model: Model, packed, rows: int):
     """A dispatched step's output read back (waiting for it): (sample's outputs as host
     arrays over the padded batch, the routing of the real rows [rows, MoE layers, k])."""
-    packed = np.asarray(packed)
-    cfg = model.config
+    return unpack_decode(model.config, np.asarray(packed), rows)
+
+
+def unpack_decode(cfg, packed: np.ndarray, rows: int):
+    """read_decode's outputs from a step's packed output on the host."""
     routing = packed[:rows, SAMPLED_WIDTH:].reshape(rows, sum(cfg.moe_layers), cfg.n_experts_per_tok)
     return unpack_sampled(packed[:, :SAMPLED_WIDTH]), routing
 

@@ -47,6 +47,11 @@ def shared_weights(layer: dict) -> dict:
     return {k: v for k, v in layer.items() if k not in EXPERT_KEYS}
 
 
+def shared_model_weights(weights: dict) -> dict:
+    """The weights without the experts (a tiered model's pool holds those)."""
+    return {**weights, "layers": [shared_weights(layer) for layer in weights["layers"]]}
+
+
 def _guess(cfg, x, nxt):
     """The next MoE layer's router applied to this layer's hidden state: [t, k] ids (or
     None). Its top-k is a cheap, often right guess of the experts that layer will pick."""

@@ -11,6 +11,10 @@ from typing import TYPE_CHECKING, Literal, get_args
 from .addresses import parse_address
 from .api import sampling_problem
 
+# The most decode steps of one stream a device call takes (model/burst.py), by default
+# and at most: a burst's tokens reach the caller together.
+DEFAULT_BURST, MAX_BURST = 4, 16
+
 if TYPE_CHECKING:  # it holds an ExpertSettings: its module imports this one
     from .serve_settings import ServeSettings
 
@@ -188,6 +192,7 @@ class Config:
     warm_up: bool = True  # the engine compiles every shape before it serves
     share_prefixes: bool = True  # a prompt's prefix another slot holds is copied, not read again
     prefix_cache_gb: float = 0.0  # host RAM for prefixes pushed out of the slots
+    decode_burst: int = DEFAULT_BURST  # the most decode steps of one stream a device call takes
     group: DistributedSettings | None = None  # one process of a group
     chat: ChatSettings | None = None
     mux: MuxSettings | None = None

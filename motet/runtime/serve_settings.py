@@ -10,7 +10,7 @@ from typing import Literal
 
 import motet
 
-from .config import ExpertSettings
+from .config import DEFAULT_BURST, ExpertSettings
 from .split_settings import SplitSettings
 
 DEFAULT_WEB_DIR = Path(motet.__file__).resolve().parent / "web"
@@ -69,6 +69,7 @@ class ServeSettings:
     warm_up: bool = True  # the in-process engine compiles every shape before it serves
     share_prefixes: bool = True  # the in-process engine copies prefixes between slots
     prefix_cache_gb: float = 0.0  # and keeps those pushed out of its slots in host RAM
+    decode_burst: int = DEFAULT_BURST  # and the most decode steps of one stream a device call takes
     tool_parser: ToolFamily | None = None  # the format of the model's tool calls (http/tool_calls.py);
     # None: the one its chat template asks for
 

@@ -1,0 +1,23 @@
+"""The Engine's arguments checked before anything starts: a bad one is a ValueError that
+names it and the values it may take."""
+
+from __future__ import annotations
+
+from ..runtime.config import MAX_BURST
+from ..runtime.kv_format import KV_DTYPE_CHOICES
+
+MAX_SLOTS = 16
+
+
+def check_engine_arguments(kv_slots: int, kv_dtype: str, prefill_chunk: int, decode_burst: int,
+                           prefix_cache_gb: float) -> None:
+    if not 1 <= kv_slots <= MAX_SLOTS:
+        raise ValueError(f"kv_slots must be in [1, {MAX_SLOTS}], got {kv_slots}")
+    if kv_dtype not in KV_DTYPE_CHOICES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPE_CHOICES)}, got {kv_dtype!r}")
+    if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
+        raise ValueError(f"prefill_chunk must be a power of two >= 16, got {prefill_chunk}")
+    if not 1 <= decode_burst <= MAX_BURST:
+        raise ValueError(f"decode_burst must be in [1, {MAX_BURST}], got {decode_burst}")
+    if prefix_cache_gb < 0:
+        raise ValueError(f"prefix_cache_gb must be >= 0, got {prefix_cache_gb}")
