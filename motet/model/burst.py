@@ -13,8 +13,9 @@ bit for bit (tests/test_burst.py).
 Bursts are for rows that sample plainly (no penalty, bias or grammar: those need the
 host between tokens) and for one-row steps only (BURST_ROWS): each batch size a burst
 serves is another compiled step, and at many rows the dispatch is a small part of a
-step. The loop keeps no logits: carried through it, they slowed a one-step call by
-about 7% (a throwaway A/B).
+step. Single steps keep forward.decode_sampled's executable: the loop run once, carrying
+the logits a penalized row's second sampling needs, was about 7% slower (a throwaway
+A/B), and a burst's loop keeps none.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .forward import _sampled_step, empty_carry, greedy_sampling
+from .forward import empty_carry, greedy_sampling, sampled_step
 from .generate import padded_rows, unpack_decode
 from .kv import KVGeometry
 from .kv_writes import writes_in_step
@@ -51,7 +52,7 @@ def _burst(weights, k_cache, v_cache, tokens, slots, positions, sampling, want_t
 
     def step(i, state):
         k, v, carry, packed = state
-        k, v, drawn, carry, _, _ = _sampled_step(weights, k, v, tokens, slots, positions + i, sampling, want_top,
+        k, v, drawn, carry, _, _ = sampled_step(weights, k, v, tokens, slots, positions + i, sampling, want_top,
                                                  carry, chained | (i > 0), cfg=cfg, moe_impl=moe_impl, mesh=None,
                                                  write=True)
         return k, v, carry, packed.at[i].set(drawn)

@@ -236,10 +236,11 @@ def decode_sampled(weights, k_cache, v_cache, tokens, slots, positions, sampling
     return (*write_rows(k_cache, v_cache, new_k, new_v, slots, positions), *rest)
 
 
-def _sampled_step(weights, k_cache, v_cache, tokens, slots, positions, sampling, want_top, carry, chained, *,
+def sampled_step(weights, k_cache, v_cache, tokens, slots, positions, sampling, want_top, carry, chained, *,
                   cfg, moe_impl, mesh, write: bool):
-    """decode_sampled's step; write: it stores its rows (returning the caches), else it
-    returns them (new K rows per layer, new V rows per layer, in the caches' place)."""
+    """decode_sampled's step, traced (decode_sampled's jitted forms and a burst's loop
+    run it); write: it stores its rows (returning the caches), else it returns them (new
+    K rows per layer, new V rows per layer, in the caches' place)."""
     temperature, top_p, top_k, min_p, keys = sampling
     held = carry[slots]
     tokens = jnp.where(chained, held[:, 0], tokens)
@@ -258,8 +259,8 @@ def _sampled_step(weights, k_cache, v_cache, tokens, slots, positions, sampling,
     return new_k, new_v, packed, carry, logits, fed
 
 
-_decode_sampled = jax.jit(partial(_sampled_step, write=False), static_argnames=("cfg", "moe_impl", "mesh"))
-_decode_sampled_written = jax.jit(partial(_sampled_step, mesh=None, write=True), static_argnames=("cfg", "moe_impl"),
+_decode_sampled = jax.jit(partial(sampled_step, write=False), static_argnames=("cfg", "moe_impl", "mesh"))
+_decode_sampled_written = jax.jit(partial(sampled_step, mesh=None, write=True), static_argnames=("cfg", "moe_impl"),
                                   donate_argnums=(1, 2))
 
 
