@@ -5,17 +5,19 @@ nothing waits, and never past a request's max_tokens or the context."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import trio
-from conftest import TINY_ARCHS, TINY_GEO
+from conftest import GOLDEN, TINY_ARCHS, TINY_GEO
 from test_pipelined_decode import SAMPLED, as_tuple, prompt_of, row
 
 from motet.actors.expert_policy import ExpertPlan
 from motet.actors.runner import ModelRunner
 from motet.engines.engine import Engine
+from motet.engines.mux_engine import MuxEngine
 from motet.model.generate import generate
 
 
@@ -112,3 +114,18 @@ async def test_the_engine_bursts_to_the_same_tokens_and_ends(tiny_model):
     assert results[4][1] == (tuple(expected[:stop_at]), "stop")
     assert results[4][2][1] == "length" and len(near_end) + len(results[4][2][0]) == TINY_GEO.max_context
     assert results[4][3][0] == tuple(expected)
+
+
+async def test_the_flag_reaches_a_mux_child():
+    """`motet mux --decode-burst`: with 4 the child warms up one shape more than with 1
+    (its burst), and answers alike."""
+    shapes, answers = {}, {}
+    for burst in ("4", "1"):
+        command = [sys.executable, "-m", "motet", "mux", "--decode-burst", burst]
+        env = {"SNAP": str(GOLDEN / "llama"), "CTX": "256", "KVSAVE": "0"}
+        with trio.fail_after(600):  # a cold start compiles every shape
+            async with MuxEngine(command, env=env, kv_slots=2) as engine:
+                shapes[burst] = engine.startup().shapes
+                answers[burst] = (await engine.complete("the sea is", max_tokens=11)).text
+    assert shapes["4"] == shapes["1"] + 1
+    assert answers["4"] == answers["1"] != ""
