@@ -79,17 +79,25 @@ def test_the_engine_refuses_a_burst_out_of_range(burst):
         Engine(decode_burst=burst)
 
 
-async def test_the_engine_bursts_to_the_same_tokens_and_ends(tiny_model):
+async def test_the_engine_bursts_to_the_same_tokens_and_ends(tiny_model, monkeypatch):
     """The same requests with bursts of 4 and with none: a seeded sampled one whose
     max_tokens is no multiple of 4, one that meets a stop token mid-burst, one the
     context ends, and two at once (no bursts while the second waits): the same tokens
-    and the same finish reasons, as the plain generator draws them."""
+    and the same finish reasons, as the plain generator draws them. The engine of 4 did
+    burst, and the other never did."""
     model = tiny_model("qwen3_moe")
     prompt = prompt_of(model, 11, 3)
     expected = list(generate(model, prompt, max_tokens=23, seed=42, **SAMPLED))
     stop_at = next(i for i in range(5, 23) if expected[i] not in expected[:i])
     near_end = prompt_of(model, TINY_GEO.max_context - 14, 5)  # the context ends it after 14 tokens
-    results = {}
+    results, calls = {}, []
+    dispatch = ModelRunner.dispatch
+
+    def counted(runner, *args, steps=1, **kwargs):
+        calls.append((runner.burst, steps))
+        return dispatch(runner, *args, steps=steps, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "dispatch", counted)
     for burst in (1, 4):
         with trio.fail_after(240):
             async with Engine(model, kv_slots=4, max_context=TINY_GEO.max_context, prefill_chunk=16,
@@ -110,6 +118,8 @@ async def test_the_engine_bursts_to_the_same_tokens_and_ends(tiny_model):
                 assert engine.startup().compiles_after_ready == 0
         results[burst] = [(c.token_ids, c.stats.finish_reason) for c in runs]
     assert results[4] == results[1]
+    assert {steps for burst, steps in calls if burst == 1} == {1}
+    assert {steps for burst, steps in calls if burst == 4} == {1, 4}
     assert results[4][0] == (tuple(expected), "length")
     assert results[4][1] == (tuple(expected[:stop_at]), "stop")
     assert results[4][2][1] == "length" and len(near_end) + len(results[4][2][0]) == TINY_GEO.max_context

@@ -71,7 +71,8 @@ class ModelRunner:
         (actors/device_group.py), where each device call goes as a frame first (START
         now, with the geometry and the experts' plan), for the other processes to repeat
         (actors/follower.py): they move their pools' experts alike. burst: the most
-        decode steps one call may take for the rows burst_steps allows (1: none)."""
+        decode steps one call may take for the rows burst_steps allows (1: none, as it is
+        where steps do not chain or the cache does not take the native write)."""
         cfg = model.config
         tiered_plan = plan if plan is not None and plan.mode == "tiered" else None
         tiered = tiered_plan is not None
@@ -97,7 +98,6 @@ class ModelRunner:
         self.mirror = mirror
         if burst < 1:
             raise ValueError(f"a burst takes at least 1 step, got {burst}")
-        self.burst = burst
         self._mirror(Op.START, geo.n_slots, geo.max_context, geo.chunk, fingerprint(model), plan, rank, prefetch)
         if model.expert_reader is not None and not tiered:
             # loaded lazily, and the plan keeps them resident: read in after START, as the
@@ -132,6 +132,8 @@ class ModelRunner:
             self.pool.take_stats()  # the start-up loads are not a step's moves
             self.tiered = TieredModel(model, self.pool, prefetch=prefetch)
         self._tiers = tiers_snapshot(self.model, self.pool, self.totals, self.shared_bytes, self.rows, self.cols)
+        # bursts chain their steps and store rows with the native write, neither of which changes later
+        self.burst = burst if self.defers and bursts_run(self.model.weights, self.kv[0]) else 1
 
     @staticmethod
     def new_key(seed: int) -> np.ndarray:
@@ -252,7 +254,7 @@ class ModelRunner:
         samples plainly, where its steps chain and the cache takes the native write
         (model/burst.py); else 1."""
         plain = 1 <= len(rows) <= BURST_ROWS and all(not r.uses_history and r.allowed is None for r in rows)
-        return self.burst if plain and self.defers and bursts_run(self.model.weights, self.kv[0]) else 1
+        return self.burst if plain else 1
 
     @property
     def defers(self) -> bool:

@@ -171,6 +171,8 @@ def dispatch_steps(rows: list[StepRow], args, most: int, max_context: int) -> in
     runner's burst_steps) where every row has that many tokens to go before its
     max_tokens or the context ends it (a row chained to an unread step is that step's
     tokens further on), else one."""
+    if most == 1:
+        return 1
     positions = args[2]
     fits = all(a.emitted + (p - a.position) + most <= a.request.max_tokens and p + most + 1 <= max_context
                for a, p in zip(rows, positions))

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .forward import empty_carry, greedy_sampling, sampled_step
-from .generate import padded_rows, unpack_decode
+from .generate import chained_rows, unpack_decode
 from .kv import KVGeometry
 from .kv_writes import writes_in_step
 from .model import Model
@@ -88,9 +88,7 @@ def dispatch_burst(model: Model, kv, geo: KVGeometry, tokens: Sequence[int], slo
                    most: int):
     """generate.dispatch_decode for `steps` steps in one call (positions: each row's
     first). Returns (the packed outputs on the device, for read_burst; the kv; the carry)."""
-    tok, slot, pos = padded_rows(geo, tokens, slots, positions)
-    link = np.zeros(len(tok), np.bool_)
-    link[: len(chained)] = chained
+    tok, slot, pos, link = chained_rows(geo, tokens, slots, positions, chained)
     k, v = kv
     k, v, packed, carry = decode_burst(model.weights, k, v, tok, slot, pos, sampling, np.bool_(want_top), carry, link,
                                        steps, most=most, cfg=model.config)

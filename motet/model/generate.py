@@ -76,6 +76,14 @@ def padded_rows(geo: KVGeometry, tokens, slots, positions):
     return tok, slot, pos
 
 
+def chained_rows(geo: KVGeometry, tokens, slots, positions, chained: Sequence[bool]):
+    """padded_rows, and each padded row's chained flag (the real rows', then False)."""
+    tok, slot, pos = padded_rows(geo, tokens, slots, positions)
+    link = np.zeros(len(tok), np.bool_)
+    link[: len(chained)] = chained
+    return tok, slot, pos, link
+
+
 def decode_step(model: Model, kv, geo: KVGeometry, tokens: Sequence[int], slots: Sequence[int],
                 positions: Sequence[int], moe_impl: str = "auto", with_routing: bool = False):
     """One batched step: row i feeds tokens[i] at positions[i] of slots[i].
@@ -112,9 +120,7 @@ def dispatch_decode(model: Model, kv, geo: KVGeometry, tokens: Sequence[int], sl
     the updated carry; the logits and what each row fed, for logit_history.resample)."""
     # host arrays go to the calls as they are: jax.device_put takes 70 µs an array here,
     # the call itself 10 µs more
-    tok, slot, pos = padded_rows(geo, tokens, slots, positions)
-    link = np.zeros(len(tok), np.bool_)
-    link[: len(chained)] = chained
+    tok, slot, pos, link = chained_rows(geo, tokens, slots, positions, chained)
     k, v = kv
     k, v, packed, carry, logits, fed = decode_sampled(model.weights, k, v, tok, slot, pos, sampling,
                                                       np.bool_(want_top), carry, link, cfg=model.config,
