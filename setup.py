@@ -27,7 +27,7 @@ setup(
             depends=[KERNELS + name for name in ("qmatmul.h", "qmatmul_headers.h", "qmatmul_body.inc",
                                                  "scales_body.inc", "attend_body.inc", "swiglu_body.inc", "matvec_avx2.inc",
                                                  "matvec_avx512.inc", "four_entries.inc",
-                                                 "avx512_body.inc", "pairs_vnni.inc")],
+                                                 "avx512_body.inc", "pairs_vnni.inc", "pairs_avx2.inc")],
             optional=True,
         )
     ]

@@ -1,6 +1,6 @@
 """How far each engine path that quantizes activations lands from the float32 reference,
 on the same GGUF and the same token ids: motet's one-row kernel (x as int16 per 32; with
-AVX-512 VNNI its prefill's products too, as integer pairs) and
+AVX-512 VNNI, or AVX2 below 256 rows, its prefill's products too, as integer pairs) and
 llama.cpp's CPU dot products (x as Q8_0/Q8_1/Q8_K), with the float-activation paths beside
 them. Not part of CI.
 
@@ -166,21 +166,23 @@ def main(argv=None) -> int:
     ref = ref_model.logits(ids)  # the float32 reference: one full causal forward
     ref_decode = motet_decode_logits(ref_model, ids)  # motet float32, one token at a time
     ours = {"decode": motet_decode_logits(model, ids), "prefill": model.logits(ids)}
-    # With AVX-512 VNNI a prefill's products take x as int16 pairs; plain AVX-512's float
-    # panels are scored beside them.
-    pairs = native.instruction_set() == "avx512vnni"
-    prefill_label = "motet prefill (int16 x pairs, AVX-512 VNNI)" if pairs else "motet prefill (float x)"
+    # With AVX-512 VNNI, and with AVX2 below 256 rows, a prefill's products take x as int16
+    # pairs; float panels (plain AVX-512's, or the baseline's) are scored beside them.
+    isa = native.instruction_set()
+    floats_isa = native.FLOAT_ROWS_INSTEAD.get(isa) if isa != "avx2" or len(ids) < 256 else None
+    pairs = floats_isa is not None
+    prefill_label = f"motet prefill (int16 x pairs, {isa})" if pairs else "motet prefill (float x)"
     if pairs:
-        native.select_instruction_set("avx512")
+        native.select_instruction_set(floats_isa)
         ours["float prefill"] = model.logits(ids)
-        native.select_instruction_set("avx512vnni")
+        native.select_instruction_set(isa)
     print("running llama.cpp", file=sys.stderr)
     peer = llama_logits(path, ids, args.threads)
 
     vs_ref = {"motet decode (1-row kernel, int16 x)": measures(ours["decode"], ref),
               prefill_label: measures(ours["prefill"], ref)}
     if pairs:
-        vs_ref["motet prefill (float x, plain AVX-512)"] = measures(ours["float prefill"], ref)
+        vs_ref[f"motet prefill (float x, {floats_isa})"] = measures(ours["float prefill"], ref)
     for setting, logits in zip(LLAMA_SETTINGS, peer or []):
         tail = "" if setting == "defaults" else f" [{setting}]"
         vs_ref[f"llama.cpp decode (1 token per call){tail}"] = measures(logits["decode"], ref)

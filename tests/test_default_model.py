@@ -23,7 +23,8 @@ from motet.model.generate import generate
 ATOL = 3e-4
 # With x as int16 per 32 values in every product (AVX-512 VNNI's integer pairs): last
 # logits 9.5e-3 / 4.7e-3 / 6.1e-3, head columns 2.0e-2 / 1.5e-2 / 1.4e-2 (the largest
-# |logit| 21-35).
+# |logit| 21-35); AVX2's pairs (Zen 2): last 6.3e-3 / 4.7e-3 / 6.1e-3, head columns
+# 2.3e-2 / 1.5e-2.
 PAIRS_ATOL = 5e-2
 PROMPTS = (0, 1, 2)
 
@@ -38,25 +39,25 @@ def smollm2():
 @pytest.fixture(scope="module")
 def forwards(default_model, smollm2):
     """model.logits for each golden prompt, computed once, with x in float32 in the
-    prompt's products: where the CPU has AVX-512 VNNI the kernels would take them as
-    int16 pairs, so these run on plain AVX-512, and test_int16_pairs_stay_close checks
-    the pairs."""
+    prompt's products: where the CPU's kernels would take them as int16 pairs (AVX-512
+    VNNI, AVX2), these run on the instruction set that keeps x in float32 (plain AVX-512,
+    the baseline), and test_int16_pairs_stay_close checks the pairs."""
     npz, _ = smollm2
     best = native.instruction_set()
-    if best == "avx512vnni":
-        native.select_instruction_set("avx512")
+    if best in native.FLOAT_ROWS_INSTEAD:
+        native.select_instruction_set(native.FLOAT_ROWS_INSTEAD[best])
     try:
         return {i: default_model.logits(npz[f"ids_{i}"]) for i in PROMPTS}
     finally:
-        if best == "avx512vnni":
+        if best in native.FLOAT_ROWS_INSTEAD:
             native.select_instruction_set(best)
 
 
 def test_int16_pairs_stay_close(default_model, smollm2):
-    """The prompt's products as AVX-512 VNNI's integer pairs (x as int16 per 32 values,
-    as the one-row dots take it): within PAIRS_ATOL, and the same argmax everywhere."""
-    if native.instruction_set() != "avx512vnni":
-        pytest.skip("this CPU has no AVX-512 VNNI, or the kernels were not built")
+    """The prompt's products as integer pairs (x as int16 per 32 values, as the one-row
+    dots take it): within PAIRS_ATOL, and the same argmax everywhere."""
+    if native.instruction_set() not in native.FLOAT_ROWS_INSTEAD:
+        pytest.skip("this CPU's kernels take no integer pairs, or were not built")
     npz, _ = smollm2
     for i in PROMPTS:
         logits = default_model.logits(npz[f"ids_{i}"])

@@ -264,4 +264,5 @@ def test_k_scales_stay_packed_where_the_dots_read_them_in_place(tmp_path):
     packed_ones = logits.keys() - {"base"}
     assert "base" in logits and packed_ones, logits.keys()
     for isa in packed_ones:
-        assert relative_error(logits[isa], logits["base"]) < 1e-5, isa
+        tolerance = 1e-3 if isa in native.FLOAT_ROWS_INSTEAD else 1e-5
+        assert relative_error(logits[isa], logits["base"]) < tolerance, isa
