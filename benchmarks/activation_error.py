@@ -1,6 +1,6 @@
 """How far each engine path that quantizes activations lands from the float32 reference,
 on the same GGUF and the same token ids: motet's one-row kernel (x as int16 per 32; with
-AVX-512 VNNI, or AVX2 below 256 rows, its prefill's products too, as integer pairs) and
+AVX-512 VNNI or AVX2, its prefill's products too, as integer pairs) and
 llama.cpp's CPU dot products (x as Q8_0/Q8_1/Q8_K), with the float-activation paths beside
 them. Not part of CI.
 
@@ -166,10 +166,10 @@ def main(argv=None) -> int:
     ref = ref_model.logits(ids)  # the float32 reference: one full causal forward
     ref_decode = motet_decode_logits(ref_model, ids)  # motet float32, one token at a time
     ours = {"decode": motet_decode_logits(model, ids), "prefill": model.logits(ids)}
-    # With AVX-512 VNNI, and with AVX2 below 256 rows, a prefill's products take x as int16
-    # pairs; float panels (plain AVX-512's, or the baseline's) are scored beside them.
+    # With AVX-512 VNNI or AVX2 a prefill's products take x as int16 pairs; float panels
+    # (plain AVX-512's, or the baseline's) are scored beside them.
     isa = native.instruction_set()
-    floats_isa = native.FLOAT_ROWS_INSTEAD.get(isa) if isa != "avx2" or len(ids) < 256 else None
+    floats_isa = native.FLOAT_ROWS_INSTEAD.get(isa)
     pairs = floats_isa is not None
     prefill_label = f"motet prefill (int16 x pairs, {isa})" if pairs else "motet prefill (float x)"
     if pairs:

@@ -124,7 +124,7 @@ def rows_at_once(rows: int | None = None) -> int:
 
 
 INSTRUCTION_SETS = ("avx512vnni", "avx512", "avx2", "base")
-# Where an instruction set's products take many rows of x as int16 pairs (AVX-512 VNNI's
-# at any count, AVX2's below 256 rows), the one whose products keep those rows in float32:
+# Where an instruction set's products take many rows of x as int16 pairs (AVX-512 VNNI,
+# AVX2), the one whose products keep those rows in float32:
 # tests and benchmarks score the two side by side.
 FLOAT_ROWS_INSTEAD = {"avx512vnni": "avx512", "avx2": "base"}
