@@ -136,8 +136,8 @@ def test_the_kernel_equals_the_xla_path(isa):
         for w in layouts():
             w = jax.device_put(w)
             reference = dequantize_host(w).astype(np.float64)
-            # 1: decode (with AVX2, up to 6 rows: groups of 4, 3, 2 and 1 rows of x at
-            # once); then few rows (panels of w as floats, up to 159 with AVX-512); then
+            # 1: decode (with AVX2, up to 4 rows: 4, 3, 2 or 1 rows of x at once);
+            # then few rows (panels of w as floats, up to 159 with AVX-512); then
             # many (k-major panels); AVX2 and VNNI take more rows than their dots as
             # integer pairs: each its own loop
             for m in (1, 2, 3, 5, 6, 7, 16, 31, 45, 63, 64, 170, 256):
