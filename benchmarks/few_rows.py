@@ -1,6 +1,6 @@
 """One quantized product of a MoE expert's shape at a few to many rows of x: where the
-CPU kernel hands rows from one loop to the next (the one-row dots, the few-rows loop on
-dequantized panels, the k-major loop), which is what a MoE step's experts get at 16
+CPU kernel hands rows from one loop to the next (the one-row dots, then the few-rows loop on
+dequantized panels and the k-major loop, or, with AVX2 and VNNI, the integer pairs), which is what a MoE step's experts get at 16
 streams (1-6 rows) and in a 256-token prefill chunk (about 32).
 
     .venv/bin/python benchmarks/few_rows.py [--rows 1,2,3,4,6,8,32,64,96,256] [--repeats 5]

@@ -1,6 +1,7 @@
 """How fast the native products stream their weights, against what the machine reads:
 x · W for a head-sized matrix (49152 × 512), on AVX-512 and AVX2 where this CPU has
-them (and AVX-512 VNNI from 4 rows of x on, where its integer pairs take the product), once over one matrix again and again (it stays in the cache) and once over eight
+them (AVX-512 VNNI from 4 rows of x on and AVX2 from 5 take them as integer pairs),
+once over one matrix again and again (it stays in the cache) and once over eight
 different ones in turn (they stream from memory, as a decode step's 100 MB of weights
 do), beside XLA's sum of a 200 MB float32 array (the machine's own read bandwidth,
 every core XLA uses). The types: Q8_0 and Q4_1 (f16 scales), and Q4_K and Q6_K twice,

@@ -122,7 +122,7 @@ def kernel_tolerance(m: int, isa: str) -> float:
     one-row dots quantize x to int16 per 32 values (AVX-512's take up to three rows at
     once), and so do the integer pairs past them (AVX-512 VNNI's and AVX2's); more rows
     run in float32 elsewhere."""
-    return 1e-4 if isa in ("avx512vnni", "avx2") or m <= INT16_ROWS[isa] else 1e-5
+    return 1e-4 if isa in native.FLOAT_ROWS_INSTEAD or m <= INT16_ROWS[isa] else 1e-5
 
 
 @pytest.mark.skipif(not native.available(), reason="the native kernel was not built")
