@@ -136,7 +136,7 @@ def test_the_kernel_equals_the_xla_path(isa):
         for w in layouts():
             w = jax.device_put(w)
             reference = dequantize_host(w).astype(np.float64)
-            # 1: decode (with AVX2, up to 4 rows: 4, 3, 2 or 1 rows of x at once);
+            # 1: decode (with AVX2, up to 6 rows of x at once);
             # then few rows (panels of w as floats, up to 159 with AVX-512); then
             # many (k-major panels); AVX2 and VNNI take more rows than their dots as
             # integer pairs: each its own loop
@@ -177,6 +177,28 @@ def test_the_avx2_dots_give_packed_k_scales_the_bits_of_widened_ones():
                 packed = np.asarray(qmatmul(x, jax.device_put(w), use_native=True))
                 widened = np.asarray(qmatmul(x, jax.device_put(quant.plain(w)), use_native=True))
                 assert np.array_equal(packed, widened), (w.source, m)
+    finally:
+        native.select_instruction_set(best)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native kernel was not built")
+def test_the_avx2_dots_give_a_row_the_same_bits_alone_or_among_six():
+    """The AVX2 dots take up to six rows of x against each weight row's bytes, and add
+    each row's float sums in one order whatever the count: a row's output is the same
+    alone or beside others, so where an expert's rows land in a step (tiered or
+    resident, one stream or several) changes no bit."""
+    best = native.instruction_set()
+    if not native.select_instruction_set("avx2"):
+        pytest.skip("this CPU has no avx2")
+    try:
+        rng = np.random.default_rng(5)
+        for w in layouts():
+            w = jax.device_put(w)
+            x = rng.standard_normal((6, w.shape[1])).astype(np.float32)
+            alone = np.concatenate([np.asarray(qmatmul(x[i:i + 1], w, use_native=True)) for i in range(6)])
+            for m in range(2, 7):
+                together = np.asarray(qmatmul(x[:m], w, use_native=True))
+                assert np.array_equal(together, alone[:m]), (w.source, m)
     finally:
         native.select_instruction_set(best)
 
