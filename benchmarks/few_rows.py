@@ -9,9 +9,9 @@ Each call takes 16 different matrices of one stack (random weights in the file's
 layouts: Q4_K, Q6_K and Q8_0; benchmarks/moe_gguf.py's expert: d = 512, width 512, so
 gate and up stacked are 1024 x 512), as a MoE layer's experts come, one product each:
 a jitted call of its own per product timed the call's dispatch as much as the product
-(one row of Q4_K: 32-42 us a call, about 21 among 16 in one). The figure is the best of --repeats
-rounds, per product. To compare two builds of the kernel, run it under each. Prints
-JSON, then a table of microseconds a product.
+(one row of Q4_K: 32-42 us a call, about 21 among 16 in one). The figure is the best
+of --repeats rounds, per product. To compare two builds of the kernel, run it under
+each. Prints JSON, then a table of microseconds a product.
 """
 
 from __future__ import annotations
