@@ -1,6 +1,6 @@
 """How fast the native products stream their weights, against what the machine reads:
 x · W for a head-sized matrix (49152 × 512), on AVX-512 and AVX2 where this CPU has
-them (AVX-512 VNNI from 4 rows of x on and AVX2 from 5 take them as integer pairs),
+them (AVX-512 VNNI from 4 rows of x on and AVX2 from 7 take them as integer pairs),
 once over one matrix again and again (it stays in the cache) and once over eight
 different ones in turn (they stream from memory, as a decode step's 100 MB of weights
 do), beside XLA's sum of a 200 MB float32 array (the machine's own read bandwidth,

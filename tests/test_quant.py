@@ -158,49 +158,48 @@ def test_the_kernel_equals_the_xla_path(isa):
         native.rows_at_once(0)
 
 
-@pytest.mark.skipif(not native.available(), reason="the native kernel was not built")
-def test_the_avx2_dots_give_packed_k_scales_the_bits_of_widened_ones():
+@pytest.fixture
+def avx2():
+    """The kernel's AVX2 build for the test (skipped where the CPU has none), the best
+    one again after it."""
+    if not native.available():
+        pytest.skip("the native kernel was not built")
+    best = native.instruction_set()
+    if not native.select_instruction_set("avx2"):
+        pytest.skip("this CPU has no avx2")
+    yield
+    native.select_instruction_set(best)
+
+
+def test_the_avx2_dots_give_packed_k_scales_the_bits_of_widened_ones(avx2):
     """The AVX2 dots read packed K-type scales as the same floats that widening them at
     load gives (one product of the integer and its super-block's float), so AVX2 keeping
     them packed changes no bit: in the one-row dots (up to six rows of x) and in the
     panels of more rows, which widen a unit's rows first."""
-    best = native.instruction_set()
-    if not native.select_instruction_set("avx2"):
-        pytest.skip("this CPU has no avx2")
-    try:
-        rng = np.random.default_rng(3)
-        for w in layouts():
-            if w.super_scale is None:
-                continue
-            for m in (1, 4, 6, 16, 64):
-                x = rng.standard_normal((m, w.shape[1])).astype(np.float32)
-                packed = np.asarray(qmatmul(x, jax.device_put(w), use_native=True))
-                widened = np.asarray(qmatmul(x, jax.device_put(quant.plain(w)), use_native=True))
-                assert np.array_equal(packed, widened), (w.source, m)
-    finally:
-        native.select_instruction_set(best)
+    rng = np.random.default_rng(3)
+    for w in layouts():
+        if w.super_scale is None:
+            continue
+        for m in (1, 4, 6, 16, 64):
+            x = rng.standard_normal((m, w.shape[1])).astype(np.float32)
+            packed = np.asarray(qmatmul(x, jax.device_put(w), use_native=True))
+            widened = np.asarray(qmatmul(x, jax.device_put(quant.plain(w)), use_native=True))
+            assert np.array_equal(packed, widened), (w.source, m)
 
 
-@pytest.mark.skipif(not native.available(), reason="the native kernel was not built")
-def test_the_avx2_dots_give_a_row_the_same_bits_alone_or_among_six():
+def test_the_avx2_dots_give_a_row_the_same_bits_alone_or_among_six(avx2):
     """The AVX2 dots take up to six rows of x against each weight row's bytes, and add
     each row's float sums in one order whatever the count: a row's output is the same
     alone or beside others, so where an expert's rows land in a step (tiered or
     resident, one stream or several) changes no bit."""
-    best = native.instruction_set()
-    if not native.select_instruction_set("avx2"):
-        pytest.skip("this CPU has no avx2")
-    try:
-        rng = np.random.default_rng(5)
-        for w in layouts():
-            w = jax.device_put(w)
-            x = rng.standard_normal((6, w.shape[1])).astype(np.float32)
-            alone = np.concatenate([np.asarray(qmatmul(x[i:i + 1], w, use_native=True)) for i in range(6)])
-            for m in range(2, 7):
-                together = np.asarray(qmatmul(x[:m], w, use_native=True))
-                assert np.array_equal(together, alone[:m]), (w.source, m)
-    finally:
-        native.select_instruction_set(best)
+    rng = np.random.default_rng(5)
+    for w in layouts():
+        w = jax.device_put(w)
+        x = rng.standard_normal((6, w.shape[1])).astype(np.float32)
+        alone = np.concatenate([np.asarray(qmatmul(x[i:i + 1], w, use_native=True)) for i in range(6)])
+        for m in range(2, 7):
+            together = np.asarray(qmatmul(x[:m], w, use_native=True))
+            assert np.array_equal(together, alone[:m]), (w.source, m)
 
 
 @pytest.mark.skipif(not native.available(), reason="the native kernel was not built")
