@@ -33,6 +33,7 @@ from ..model.sharding import MeshSpec, mesh_of, model_mesh, place_weights
 from ..model.tiered import shared_model_weights, shared_weight_bytes
 from ..model.tiered_model import TieredModel
 from ..protocol.mirror import Op, encode
+from ..runtime.allocator import give_back_after_prefill
 from ..runtime.api import ExpertTiers
 from .expert_policy import ExpertPlan
 from .step_rows import DecodeInFlight, Sampled, SamplingRow, sampled_rows, sampling_arrays
@@ -41,10 +42,7 @@ from .tier_snapshot import tiers_snapshot
 # Loads one placement may start per layer between two steps: re-pinning catches up over
 # a few steps instead of stalling one.
 MAX_MOVES_PER_PLACEMENT = 4
-
-
-# The records a mirror frame may carry (protocol/mirror.py).
-MIRROR_RECORDS = (SamplingRow, ExpertPlan)
+MIRROR_RECORDS = (SamplingRow, ExpertPlan)  # the records a mirror frame may carry (protocol/mirror.py)
 
 
 @dataclass(frozen=True)
@@ -193,6 +191,7 @@ class ModelRunner:
         logits, self.kv, experts = prefill_slot(
             self.model, self.kv, self.geo, slot, ids, offset, with_routing=True
         )
+        give_back_after_prefill(len(ids))
         return logits, experts
 
     def wait_ready(self) -> None:
