@@ -1,12 +1,15 @@
-"""model/compilation.py: once an engine is warm, JAX's lowered modules are let go, and
-the executables they were compiled to still serve every call."""
+"""model/compilation.py: compiling ahead says when every compile is done; once an engine
+is warm, JAX's lowered modules are let go, and the executables they were compiled to
+still serve every call."""
 
 from __future__ import annotations
+
+import threading
 
 import jax
 import jax.numpy as jnp
 
-from motet.model.compilation import CompileCounter, drop_lowerings
+from motet.model.compilation import CompileCounter, compiling_ahead, drop_lowerings
 
 
 def test_the_lowered_modules_are_let_go_and_the_executable_kept():
@@ -26,3 +29,25 @@ def test_the_lowered_modules_are_let_go_and_the_executable_kept():
     finally:
         counter.stop()
     assert counter.now().requests == 0  # the call found its executable
+
+
+
+class Held:
+    """A lowered module whose compile waits for `release`."""
+
+    def __init__(self, release: threading.Event):
+        self.release = release
+
+    def compile(self):
+        assert self.release.wait(timeout=60)
+
+
+def test_waiting_on_a_compile_says_whether_every_compile_is_done():
+    release, finished = threading.Event(), []
+    lowerings = [("quick", lambda: jax.jit(lambda v: v + 2).lower(jnp.arange(4.0))), ("held", lambda: Held(release))]
+    with compiling_ahead(lowerings, workers=2, done=finished.append) as wait:
+        assert wait("quick") is False  # "held" still compiles
+        release.set()
+        assert wait("held") is True
+        assert wait("unknown") is True
+    assert sorted(finished) == ["held", "quick"]

@@ -146,20 +146,21 @@ def warm_up(runner: ModelRunner, plan: WarmupPlan, progress: Callable[[str, int,
         progress(what, done, total)
 
     prefill_s: dict[int, float] = {}  # each chunk size's run
+    compiler_pages_held = True
     with compiling_ahead(ahead, workers=compile_workers(), done=lambda shape: step(f"compiled {shape}")) as wait:
         for shape in plan.shapes:
-            wait(shape)
-    # Every executable is built: the compiler's code pages are garbage until another
-    # compile, so they go before the runs below (the warm-up's peak would be theirs), and
-    # again at the end, with what only a first run touched.
-    give_back_code_pages()
-    for shape in plan.shapes:
-        started = time.perf_counter()
-        _warm_shape(runner, shape)
-        if shape.kind == PREFILL:
-            runner.wait_ready()
-            prefill_s[shape.size] = time.perf_counter() - started
-        step(f"ran {shape}")
+            if wait(shape) and compiler_pages_held:
+                # Every executable is built: the compiler's code pages are garbage until
+                # another compile, so they go now rather than count in the warm-up's peak
+                # (and again at the end, with what only a first run touched).
+                give_back_code_pages()
+                compiler_pages_held = False
+            started = time.perf_counter()
+            _warm_shape(runner, shape)
+            if shape.kind == PREFILL:
+                runner.wait_ready()
+                prefill_s[shape.size] = time.perf_counter() - started
+            step(f"ran {shape}")
     if any(shape.kind == PREFILL for shape in plan.shapes):
         # what a request with a penalty, a bias or a grammar adds: its slot's history
         # started, its first token sampled with it; and an n > 1 request's KV copy

@@ -120,20 +120,22 @@ def compile_workers() -> int:
 
 @contextmanager
 def compiling_ahead(lowerings: Iterable[tuple[Hashable, Callable[[], object]]], *, workers: int,
-                    done: Callable[[Hashable], None]) -> Iterator[Callable[[Hashable], None]]:
+                    done: Callable[[Hashable], None]) -> Iterator[Callable[[Hashable], bool]]:
     """Trace and lower each (key, lower) in turn (Python work, one at a time) and compile
     the lowered modules in `workers` threads, done(key) after each. Yields wait(key),
     which returns once that key's compile is done (at once for a key not given), so a
-    caller can run what is compiled while the rest compiles. The executables land in
-    JAX's caches, where the first real call with the same shapes finds them."""
+    caller can run what is compiled while the rest compiles; it returns whether every
+    compile is done. The executables land in JAX's caches, where the first real call
+    with the same shapes finds them."""
     with ThreadPoolExecutor(workers, thread_name_prefix="motet-compile") as pool:
         futures: dict[Hashable, list[Future]] = {}
         for key, lower in lowerings:
             futures.setdefault(key, []).append(pool.submit(_compile, key, lower(), done))
 
-        def wait(key: Hashable) -> None:
+        def wait(key: Hashable) -> bool:
             for future in futures.pop(key, ()):
                 future.result()  # a compile error is the caller's
+            return all(future.done() for pending in futures.values() for future in pending)
 
         yield wait
         for key in list(futures):
