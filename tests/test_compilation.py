@@ -31,7 +31,6 @@ def test_the_lowered_modules_are_let_go_and_the_executable_kept():
     assert counter.now().requests == 0  # the call found its executable
 
 
-
 class Held:
     """A lowered module whose compile waits for `release`."""
 

@@ -150,9 +150,9 @@ def warm_up(runner: ModelRunner, plan: WarmupPlan, progress: Callable[[str, int,
     with compiling_ahead(ahead, workers=compile_workers(), done=lambda shape: step(f"compiled {shape}")) as wait:
         for shape in plan.shapes:
             if wait(shape) and compiler_pages_held:
-                # Every executable is built: the compiler's code pages are garbage until
-                # another compile, so they go now rather than count in the warm-up's peak
-                # (and again at the end, with what only a first run touched).
+                # Every executable is built: the compiler's pages, and the libraries' start-up
+                # pages, are garbage until another compile, so they go now rather than count
+                # in the warm-up's peak (and again at the end: what only a first run touched).
                 give_back_code_pages()
                 compiler_pages_held = False
             started = time.perf_counter()

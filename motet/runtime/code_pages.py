@@ -19,7 +19,6 @@ dirty, nothing anonymous (a library's relocated RELRO segment is dirty and stays
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import re
 import sys
@@ -78,7 +77,7 @@ def give_back_code_pages() -> int:
             mappings = clean_library_pages(source.read())
     except OSError:
         return 0
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols, the C library's among them
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     dropped = 0
     for m in mappings:
