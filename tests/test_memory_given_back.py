@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import motet.runtime.allocator as allocator
+from motet.actors.expert_policy import ExpertPlan
 from motet.actors.runner import ModelRunner
 from motet.actors.step_rows import SamplingRow
 from motet.model.kv import KVGeometry
@@ -81,9 +82,16 @@ def test_a_process_drops_its_libraries_clean_pages_and_still_computes():
     assert got["fresh"] == 3 * sum(range(64))
 
 
+@pytest.mark.parametrize("experts", ["resident", "tiered"])
 @pytest.mark.parametrize("tokens, trims", [(TRIM_AFTER_TOKENS - 1, 0), (TRIM_AFTER_TOKENS, 1)])
-def test_a_long_prefill_chunk_gives_mallocs_free_pages_back(tiny_model, monkeypatch, tokens, trims):
-    runner = ModelRunner(tiny_model("llama"), KVGeometry(n_slots=2, max_context=256, chunk=TRIM_AFTER_TOKENS))
+def test_a_long_prefill_chunk_gives_mallocs_free_pages_back(tiny_model, monkeypatch, experts, tokens, trims):
+    geo = KVGeometry(n_slots=2, max_context=256, chunk=TRIM_AFTER_TOKENS)
+    if experts == "resident":
+        runner = ModelRunner(tiny_model("llama"), geo)
+    else:
+        model = tiny_model("qwen3_moe")
+        cfg = model.config
+        runner = ModelRunner(model, geo, ExpertPlan("tiered", sum(cfg.moe_layers), cfg.n_experts, 4, None, 1))
     given = []
     monkeypatch.setattr(allocator, "give_back_free", lambda: given.append(True) or True)
     row = SamplingRow(0.0, 1.0, 0, 0.0, runner.new_key(0), False)

@@ -187,10 +187,8 @@ class ModelRunner:
     def _extend(self, slot: int, ids: list[int], offset: int):
         if self.tiered is not None:
             logits, self.kv, experts = self.tiered.prefill_slot(self.kv, self.geo, slot, ids, offset)
-            return logits, experts
-        logits, self.kv, experts = prefill_slot(
-            self.model, self.kv, self.geo, slot, ids, offset, with_routing=True
-        )
+        else:
+            logits, self.kv, experts = prefill_slot(self.model, self.kv, self.geo, slot, ids, offset, with_routing=True)
         give_back_after_prefill(len(ids))
         return logits, experts
 
