@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import platform
 from collections.abc import Mapping
 
@@ -40,7 +41,11 @@ TRIM_AFTER_TOKENS = 128
 _USER_SETTINGS = ("MALLOC_ARENA_MAX", "GLIBC_TUNABLES")
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
+    """The C library where it is glibc, found once: libc_ver reads the interpreter's
+    binary and find_library runs ldconfig (2 ms a call), and a trim follows every long
+    prefill chunk."""
     if platform.libc_ver()[0] != "glibc":
         return None
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
