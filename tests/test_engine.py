@@ -26,7 +26,7 @@ import trio.testing
 from conftest import mux_engine
 
 from motet.engines.engine import Engine
-from motet.runtime.api import FinishEvent, Telemetry, TokenEvent
+from motet.runtime.api import FinishEvent, StepRouting, Telemetry, TokenEvent
 from motet.runtime.errors import (
     BadRequest,
     ContextExceeded,
@@ -703,6 +703,24 @@ async def test_telemetry_counts_routed_experts(tiny_model):
     for layer in t.expert_counts:
         assert len(layer) == cfg.n_experts
         assert sum(layer) == cfg.n_experts_per_tok * run_tokens
+
+
+async def test_step_routing_sums_to_the_turn_and_a_burst_is_one_event_of_its_steps(tiny_model):
+    moe = tiny_model("qwen3_moe")
+    with trio.fail_after(TIMEOUT):
+        async with Engine(moe, **TINY, decode_burst=4) as engine:
+            channel = await engine.telemetry()
+            done = await engine.complete("route a burst or two", max_tokens=14)
+            await trio.testing.wait_all_tasks_blocked()  # the call's routing goes out after its tokens
+            events = drain_nowait(channel)
+    (turn,) = [e for e in events if isinstance(e, Telemetry)]
+    routed = [e for e in events if isinstance(e, StepRouting)]
+    # every token the turn ran through the model, counted once, in the calls' events as in its own
+    assert sum(e.counts for e in routed).tolist() == [list(layer) for layer in turn.expert_counts]
+    decode_calls = routed[1:]  # after the prompt's one chunk
+    assert any(e.steps > 1 for e in decode_calls)
+    sampled = done.stats.emitted_tokens + (done.stats.finish_reason == "stop")  # an EOS is sampled, not emitted
+    assert sum(e.tokens for e in decode_calls) == sum(e.steps for e in decode_calls) == sampled - 1
 
 
 # ---- 9. token-id prompts and seeds -----------------------------------------------------

@@ -22,18 +22,18 @@ class Publisher:
         self.dense_layers = 0 if cfg.is_moe else cfg.n_layers
         self.subscribers: list[trio.MemorySendChannel] = []
 
-    def routing(self, experts: list[np.ndarray], tokens: int, step: ExpertStep) -> None:
-        """Which experts a step used ([MoE layers, ...] ids per part), and its pool traffic."""
+    def routing(self, experts: list[np.ndarray], tokens: int, step: ExpertStep, steps: int = 1) -> None:
+        """Which experts a device call of `steps` decode steps used ([MoE layers, ...]
+        ids per part), and its pool traffic."""
         if self.experts is None and not self.subscribers:
             return
         counts = self.expert_zeros.copy()
-        for part in experts:
-            add_routing(counts, part)
+        add_routing(counts, experts)
         if self.experts is not None and counts.size:
             self.experts.observe_nowait(counts)
         if self.subscribers:
             counts.flags.writeable = False  # every subscriber gets this one array
-            self._publish(StepRouting(counts, tokens, step.lookups, step.hits, step.moves, step.tiers))
+            self._publish(StepRouting(counts, tokens, step.lookups, step.hits, step.moves, step.tiers, steps))
 
     def turn_ended(self, telemetry: Telemetry) -> None:
         self._publish(telemetry)

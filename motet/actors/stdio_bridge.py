@@ -132,8 +132,9 @@ class StdioBridge:
                     repin = b"".join(mux.encode_telemetry("REPIN", *move) for move in device_moves(event.moves))
                     if repin:
                         await self._write(repin)
-                    steps += 1
-                    if steps % HITS_EVERY == 0:
+                    steps += event.steps
+                    if steps >= HITS_EVERY:
+                        steps = 0
                         await self._write(self._hits_line())
 
     def _hits_line(self) -> bytes:

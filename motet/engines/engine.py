@@ -184,8 +184,9 @@ class Engine(Service, Collected):
         async for event in channel:
             if isinstance(event, StepRouting):
                 self._experts.add_step(event)
-                steps += 1
-                if steps % HITS_EVERY == 0:
+                steps += event.steps
+                if steps >= HITS_EVERY:
+                    steps = 0
                     self._experts.take_hits()
             elif isinstance(event, Telemetry):
                 self._experts.end_turn(turn_entropy(event.expert_counts, self._experts.rows))

@@ -216,11 +216,11 @@ class ExpertTiers:
 
 @dataclass(frozen=True)
 class StepRouting:
-    """The experts one device step routed to, summed over its rows: per MoE layer, per
-    expert, tokens, a read-only int64 array [MoE layers, experts] (for a dense model:
-    empty, and `tokens` says how many ran). Tiered: the step's pool lookups and hits,
-    its moves (layer, expert, old tier, new tier), and the tiers after it when they
-    changed."""
+    """The experts one device call routed to, summed over its rows and its `steps`
+    decode steps (a burst's several): per MoE layer, per expert, tokens, a read-only
+    int64 array [MoE layers, experts] (for a dense model: empty, and `tokens` says how
+    many ran). Tiered: the call's pool lookups and hits, its moves (layer, expert, old
+    tier, new tier), and the tiers after it when they changed."""
 
     counts: np.ndarray
     tokens: int
@@ -228,6 +228,7 @@ class StepRouting:
     hits: int = 0
     moves: tuple[tuple[int, int, int, int], ...] = ()
     tiers: ExpertTiers | None = None
+    steps: int = 1
 
 
 @dataclass(frozen=True)
