@@ -34,7 +34,8 @@ between two runs minutes apart.
             sampling, the token read back; no scheduler, no Trio), timed in the same
             process, against the engine's time per token at one stream: what the runtime
             around the step costs, less what the engine's pipelined steps hide (the next
-            step runs while the host reads one), so it may be below zero.
+            step runs while the host reads one), so it may be below zero. Likewise the
+            bare step of 16 rows against the engine's time per 16 tokens at 16 streams.
 
 Both engines see identical ids, built with motet's tokenizer. llama.cpp never stops on
 EOS; motet does, so the prompts ask for long essays and the output reports what each
@@ -183,23 +184,26 @@ async def motet_runs(model, runs: list[Workload], context: int) -> list[dict]:
     return out
 
 
-def bare_step_ms(model, context: int, repeats: int = 30) -> float:
-    """One row's decode step with nothing around it: the engine's jitted step with its
-    greedy sampling, its KV write, the token read back to the host each step (as the
-    engine did before it pipelined its steps)."""
+def bare_step_ms(model, context: int, rows: int = 1, repeats: int = 30) -> float:
+    """A step of `rows` rows with nothing around it: the engine's jitted step with its
+    greedy sampling, its KV write, the tokens read back to the host each step (as the
+    engine did before it pipelined its steps). One row at positions from 64, as the one
+    stream's answer; many in slots of their own from STREAM_PROMPT, as the streams'."""
     from motet.model.forward import empty_carry, greedy_sampling
     from motet.model.generate import dispatch_decode, read_decode
     from motet.model.kv import KVGeometry, init_kv
 
     geo = KVGeometry(n_slots=STREAMS, max_context=context, chunk=256)
     kv = init_kv(model.config, geo, model.kv_dtype)
-    greedy, carry = greedy_sampling(1), empty_carry(geo.scratch_slot + 1)
-    token, best = 1, float("inf")
+    greedy, carry = greedy_sampling(rows), empty_carry(geo.scratch_slot + 1)
+    tokens, slots, start = [1] * rows, list(range(rows)), 64 if rows == 1 else STREAM_PROMPT
+    best = float("inf")
     for attempt in range(4):  # the first compiles
         started = time.perf_counter()
         for i in range(repeats):
-            packed, kv, carry, _, _ = dispatch_decode(model, kv, geo, [token], [0], [64 + i], greedy, False, carry)
-            token = int(read_decode(model, packed, 1)[0][0][0])
+            packed, kv, carry, _, _ = dispatch_decode(model, kv, geo, tokens, slots, [start + i] * rows, greedy,
+                                                      False, carry)
+            tokens = [int(t) for t in read_decode(model, packed, rows)[0][0][:rows]]
         if attempt:
             best = min(best, (time.perf_counter() - started) / repeats)
     return best * 1e3
@@ -215,7 +219,8 @@ def motet_child_runs(job: dict) -> dict:
     context = job["n_ctx"] // STREAMS
     out = trio.run(motet_runs, model, runs, context)
     peak_mb = peak_rss_mb()  # before the bare step's own KV
-    return {"runs": out, "bare_step_ms": bare_step_ms(model, context), "peak_rss_mb": peak_mb,
+    return {"runs": out, "bare_step_ms": bare_step_ms(model, context),
+            "bare_streams_step_ms": bare_step_ms(model, context, STREAMS, repeats=10), "peak_rss_mb": peak_mb,
             "kv_dtype": model.kv_dtype, "context": context}
 
 

@@ -50,6 +50,7 @@ class Active:
     copied: int = 0  # of the reused prompt tokens, those copied from another slot
     before_grammar: str | None = ""  # the answer's last characters until Grammar.after shows (then None)
     routed: list[np.ndarray] = field(default_factory=list)  # expert ids not yet in expert_counts
+    decoded: list[int] = field(default_factory=list)  # tokens the decode steps wrote, for its slot at the end
 
     @property
     def request(self) -> GenerationRequest:

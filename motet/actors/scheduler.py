@@ -293,7 +293,7 @@ class Scheduler:
             for act, sampled in live:
                 if i == 0:
                     act.count_step(step, decode_s, sample_s)
-                await self.slots[act.slot].inbox.send.send(Extend((act.next_token,)))
+                act.decoded.append(act.next_token)
                 act.position += 1
                 if act.rid in self.active:
                     await self._accept_token(act, sampled)
@@ -390,6 +390,8 @@ class Scheduler:
         report = self.publisher.report(stats, telemetry, act)
         tell(act.submit, FinishEvent(stats, act.tail(reason, stop_matched), telemetry, report, act.stops.matched))
         act.submit.events.close()
+        if act.decoded:  # told once a turn: a message a token woke the slot's task 16 times a step
+            await self.slots[act.slot].inbox.send.send(Extend(tuple(act.decoded)))
         send, recv = open_reply()
         await self.slots[act.slot].inbox.send.send(Release(send))
         admitted = self.table.release(act.slot, act.submit, await recv.receive())
