@@ -47,9 +47,10 @@ def one_round(ours: dict, peer: dict, first: str) -> dict:
     token_ms = 1e3 / m["single"]["decode_tok_s"]
     m["bare_step_ms"], m["token_interval_ms"] = ours["bare_step_ms"], token_ms
     m["overhead_ms"] = token_ms - ours["bare_step_ms"]
-    # at 16 streams, per step of all of them (older reports lack the bare step)
+    # at 16 streams, a step of all of them (older reports lack these)
     streams = len(m["streams"]["generated_per_stream"])
-    m["streams_step_ms"] = streams * 1e3 / m["streams"]["aggregate_decode_tok_s"]
+    m["all_decoding_tok_s"] = m["streams"].get("all_decoding_tok_s", float("nan"))
+    m["streams_step_ms"] = streams * 1e3 / m["all_decoding_tok_s"] if m["all_decoding_tok_s"] else float("nan")
     m["bare_streams_step_ms"] = ours.get("bare_streams_step_ms", float("nan"))
     m["streams_overhead_ms"] = m["streams_step_ms"] - m["bare_streams_step_ms"]
     return {"first": first, "motet": m, "llama_cpp": p,
@@ -87,7 +88,9 @@ def table(heading: str, rounds: list[dict], combined: dict, *, streams: int, pre
                      f"llama.cpp {new_tokens} everywhere (no EOS stop); motet per token at 1 stream "
                      f"{m['token_interval_ms']:.1f} ms, the bare step one at a time {m['bare_step_ms']:.1f} ms "
                      f"({m['overhead_ms']:+.1f}: the runtime around the step, less what pipelining hides); "
-                     f"at {streams} streams a step {m['streams_step_ms']:.1f} ms, the bare step of {streams} rows "
+                     f"motet at {streams} streams while all decode {m['all_decoding_tok_s']:.1f} tok/s "
+                     f"({m['all_decoding_tok_s'] / r['llama_cpp']['streams']['aggregate_decode_tok_s']:.2f}x llama.cpp's), a step {m['streams_step_ms']:.1f} ms, "
+                     f"the bare step of {streams} rows "
                      f"{m['bare_streams_step_ms']:.1f} ms ({m['streams_overhead_ms']:+.1f}); "
                      f"greedy tokens shared before the engines diverge {r['greedy_agreement_tokens']}")
     return "\n".join(lines)

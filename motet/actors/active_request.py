@@ -31,7 +31,7 @@ class Active:
     stops: StopMatcher
     key: np.ndarray
     started: float
-    expert_counts: np.ndarray  # per MoE layer, per expert: the tokens routed to it (as of the last fold)
+    expert_counts: np.ndarray  # per MoE layer, per expert: the tokens routed to it (and `routed`'s)
     cursor: int = 0  # prompt tokens whose KV is written
     target: int = 0  # prompt tokens to write: all, or all but the last (prefill_only)
     next_token: int | None = None  # sampled, not yet fed back
@@ -62,8 +62,8 @@ class Active:
 
     def count_experts(self, experts: np.ndarray) -> None:
         """Routed expert ids ([MoE layers, ...]), counted when the turn's telemetry is
-        read: counted token by token they took about a tenth of the Trio thread's time at
-        one stream (numpy's per-call cost)."""
+        read: counted as they came (numpy's cost a call, twice a token with the
+        publisher's) they took a quarter of the Trio thread's time."""
         self.routed.append(experts)
 
     def count_step(self, step: ExpertStep, decode_s: float = 0.0, sample_s: float = 0.0) -> None:

@@ -38,9 +38,7 @@ class KVSlot:
     def __init__(self, index: int):
         self.index = index
         self.inbox = open_inbox()
-        # a list: a decode step extends each running slot by a token, and a tuple copied
-        # its whole history each time
-        self.history: list[int] = []
+        self.history: tuple[int, ...] = ()
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
         task_status.started()
@@ -48,11 +46,11 @@ class KVSlot:
             match msg:
                 case Claim(prompt, reply):
                     keep = reusable_prefix(self.history, prompt)
-                    del self.history[keep:]
+                    self.history = self.history[:keep]
                     reply.send_nowait(keep)
                 case Extend(tokens):
                     self.history += tokens
                 case SetHistory(tokens):
-                    self.history = list(tokens)
+                    self.history = tokens
                 case Release(reply):
-                    reply.send_nowait(tuple(self.history))
+                    reply.send_nowait(self.history)
