@@ -50,7 +50,9 @@ class Active:
     copied: int = 0  # of the reused prompt tokens, those copied from another slot
     before_grammar: str | None = ""  # the answer's last characters until Grammar.after shows (then None)
     routed: list[np.ndarray] = field(default_factory=list)  # expert ids not yet in expert_counts
-    decoded: list[int] = field(default_factory=list)  # tokens the decode steps wrote, for its slot at the end
+    # tokens the decode steps wrote, told to its slot at the turn's end: a message a token
+    # took a quarter of the Trio thread's time at 16 streams
+    decoded: list[int] = field(default_factory=list)
 
     @property
     def request(self) -> GenerationRequest:

@@ -13,7 +13,6 @@ import logging
 import time
 from collections import deque
 
-import numpy as np
 import trio
 
 from ..model.detokenizer import IncrementalDetokenizer
@@ -263,8 +262,7 @@ class Scheduler:
         on the device with the tokens this one sampled: the device computes step t + 1
         while the host reads, detokenizes and sends step t (a row that ended at step t
         computed one token more, dropped: its KV past the slot's history is never read).
-        Where a row has a grammar, step t + 1 is sampled in the next round
-        (runner.finish), once its masks know token t."""
+        With a grammar, step t + 1 is sampled in the next round (runner.finish), once its masks know token t."""
         current = self.ahead
         fresh = self._next_rows([]) if current is None else None
         unread, unread_steps = (current[0], current[1].steps) if current else (fresh[0], fresh[2])
@@ -284,7 +282,7 @@ class Scheduler:
         (acts, by_step, self.ahead), step = await self._on_device(work)
         sample_s = self.runner.sample_seconds - sampling
         decode_s = time.perf_counter() - started - sample_s
-        routed: list[np.ndarray] = []
+        routed: list = []  # the call's expert ids, live rows only, published once
         for i, results in enumerate(by_step):
             # a row that ended after this step was dispatched computed a token nobody reads
             live = [(act, sampled) for act, sampled in zip(acts, results) if self._decoding(act)]
@@ -296,8 +294,6 @@ class Scheduler:
                 act.position += 1
                 if act.rid in self.active:
                     await self._accept_token(act, sampled)
-        # once a call: published a step at a time, a burst's routing was a third of the
-        # Trio thread's time at one stream
         self.publisher.routing(routed, len(routed), step, len(by_step))
         if self.ahead is not None and not any(self._decoding(a) for a in self.ahead[0]):
             self.ahead = None
@@ -389,9 +385,7 @@ class Scheduler:
         report = self.publisher.report(stats, telemetry, act)
         tell(act.submit, FinishEvent(stats, act.tail(reason, stop_matched), telemetry, report, act.stops.matched))
         act.submit.events.close()
-        # the slot's history is read first at its release; a message a token to it took a
-        # quarter of the Trio thread's time at 16 streams
-        if act.decoded:
+        if act.decoded:  # a busy slot's history is first read at its release
             await self.slots[act.slot].inbox.send.send(Extend(tuple(act.decoded)))
         send, recv = open_reply()
         await self.slots[act.slot].inbox.send.send(Release(send))
