@@ -39,7 +39,7 @@ between two runs minutes apart.
             process, against the engine's time per token at one stream: what the runtime
             around the step costs, less what the engine's pipelined steps hide (the next
             step runs while the host reads one), so it may be below zero. Likewise the
-            bare step of 16 rows against the engine's time per 16 tokens at 16 streams.
+            bare step of 16 rows against the engine's step while all 16 streams decode.
 
 Both engines see identical ids, built with motet's tokenizer. llama.cpp never stops on
 EOS; motet does, so the prompts ask for long essays and the output reports what each

@@ -81,7 +81,7 @@ def table(heading: str, rounds: list[dict], combined: dict, *, streams: int, pre
         each = ", ".join(f"{r['ratios'][key]:.2f}" for r in rounds)
         lines.append(f"{label.format(streams=streams, prefill=prefill):<30} {a:>8.1f} {b:>9.1f} {ratio:>6.2f}  {each}")
     for i, r in enumerate(rounds):
-        m = r["motet"]
+        m, peer_streams = r["motet"], r["llama_cpp"]["streams"]["aggregate_decode_tok_s"]
         gen = m["streams"]["generated_per_stream"]
         lines.append(f"round {i} ({r['first']} first): motet generated {m['single']['generated']} (1 stream), "
                      f"{min(gen)}-{max(gen)} per stream ({m['streams']['stopped_early']} stopped early), "
@@ -89,8 +89,8 @@ def table(heading: str, rounds: list[dict], combined: dict, *, streams: int, pre
                      f"{m['token_interval_ms']:.1f} ms, the bare step one at a time {m['bare_step_ms']:.1f} ms "
                      f"({m['overhead_ms']:+.1f}: the runtime around the step, less what pipelining hides); "
                      f"motet at {streams} streams while all decode {m['all_decoding_tok_s']:.1f} tok/s "
-                     f"({m['all_decoding_tok_s'] / r['llama_cpp']['streams']['aggregate_decode_tok_s']:.2f}x llama.cpp's), a step {m['streams_step_ms']:.1f} ms, "
-                     f"the bare step of {streams} rows "
+                     f"({m['all_decoding_tok_s'] / peer_streams:.2f}x llama.cpp's), a step "
+                     f"{m['streams_step_ms']:.1f} ms, the bare step of {streams} rows "
                      f"{m['bare_streams_step_ms']:.1f} ms ({m['streams_overhead_ms']:+.1f}); "
                      f"greedy tokens shared before the engines diverge {r['greedy_agreement_tokens']}")
     return "\n".join(lines)
