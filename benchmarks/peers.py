@@ -197,8 +197,11 @@ async def motet_runs(model, runs: list[Workload], context: int) -> list[dict]:
 def bare_step_ms(model, context: int, rows: int = 1, repeats: int = 30) -> float:
     """A step of `rows` rows with nothing around it: the engine's jitted step with its
     greedy sampling, its KV write, the tokens read back to the host each step (as the
-    engine did before it pipelined its steps). One row at positions from 64, as the one
-    stream's answer; many in slots of their own from STREAM_PROMPT, as the streams'."""
+    engine did before it pipelined its steps). One row at positions from 64, fed what it
+    sampled, as the one stream's answer; many in slots of their own from STREAM_PROMPT,
+    as the streams', each fed a token of its own: over an empty cache, rows fed the same
+    token route to the same experts, and a 16-row step of the MoE files then reads about
+    a seventh of the experts 16 conversations read."""
     from motet.model.forward import empty_carry, greedy_sampling
     from motet.model.generate import dispatch_decode, read_decode
     from motet.model.kv import KVGeometry, init_kv
@@ -206,14 +209,16 @@ def bare_step_ms(model, context: int, rows: int = 1, repeats: int = 30) -> float
     geo = KVGeometry(n_slots=STREAMS, max_context=context, chunk=256)
     kv = init_kv(model.config, geo, model.kv_dtype)
     greedy, carry = greedy_sampling(rows), empty_carry(geo.scratch_slot + 1)
-    tokens, slots, start = [1] * rows, list(range(rows)), 64 if rows == 1 else STREAM_PROMPT
+    vocab = model.config.vocab_size
+    tokens, slots, start = [1 + r for r in range(rows)], list(range(rows)), 64 if rows == 1 else STREAM_PROMPT
     best = float("inf")
     for attempt in range(4):  # the first compiles
         started = time.perf_counter()
         for i in range(repeats):
             packed, kv, carry, _, _ = dispatch_decode(model, kv, geo, tokens, slots, [start + i] * rows, greedy,
                                                       False, carry)
-            tokens = [int(t) for t in read_decode(model, packed, rows)[0][0][:rows]]
+            drawn = [int(t) for t in read_decode(model, packed, rows)[0][0][:rows]]
+            tokens = drawn if rows == 1 else [1 + (131 * (i * rows + r) + 7) % (vocab - 1) for r in range(rows)]
         if attempt:
             best = min(best, (time.perf_counter() - started) / repeats)
     return best * 1e3
