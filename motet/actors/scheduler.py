@@ -282,11 +282,11 @@ class Scheduler:
         (acts, by_step, self.ahead), step = await self._on_device(work)
         sample_s = self.runner.sample_seconds - sampling
         decode_s = time.perf_counter() - started - sample_s
-        routed: list = []  # the call's expert ids, live rows only, published once
+        self.publisher.begin_call(step, len(by_step))
         for i, results in enumerate(by_step):
             # a row that ended after this step was dispatched computed a token nobody reads
             live = [(act, sampled) for act, sampled in zip(acts, results) if self._decoding(act)]
-            routed += [sampled.experts for _, sampled in live]
+            self.publisher.gather([sampled.experts for _, sampled in live])
             for act, sampled in live:
                 if i == 0:
                     act.count_step(step, decode_s, sample_s)
@@ -294,7 +294,7 @@ class Scheduler:
                 act.position += 1
                 if act.rid in self.active:
                     await self._accept_token(act, sampled)
-        self.publisher.routing(routed, len(routed), step, len(by_step))
+        self.publisher.flush(last=True)
         if self.ahead is not None and not any(self._decoding(a) for a in self.ahead[0]):
             self.ahead = None
 
