@@ -17,7 +17,19 @@ from gguf import GGMLQuantizationType as Q
 
 from motet.model import native, quant
 from motet.model.gguf_quants import REPACK
-from motet.model.quant import QTensor, as_q8, dequantize, matmul, matmul_stacked, qmatmul, scales_of, stack, stack_rows
+from motet.model.quant import (
+    QRows,
+    QTensor,
+    as_q8,
+    dequantize,
+    join_rows,
+    matmul,
+    matmul_stacked,
+    qmatmul,
+    scales_of,
+    stack,
+    stack_rows,
+)
 
 # where each format keeps its f16 scales (random bytes there could be inf or NaN)
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
@@ -86,6 +98,28 @@ def test_stacking_different_layouts_keeps_every_value():
     np.testing.assert_array_equal(dequantize_host(stacked), np.concatenate([dequantize_host(p) for p in parts]))
     same = stack_rows([parts[0], REPACK["Q4_K"](random_blocks("Q4_K", 2, 256, seed=9))])
     assert (same.layout, same.block) == ("q4", 32)  # alike parts stay compact
+
+
+def test_a_matrix_of_parts_in_different_layouts_keeps_each_part_as_the_file_holds_it():
+    """Q and K in Q4_K beside V in Q6_K (a Q4_K_M file's attention) are two pieces, Q and K
+    stacked as q4 and V as q8, not one matrix widened to int8; the product of the pieces
+    is the product of the whole, on the native kernel and on the XLA path."""
+    q, k, v = (REPACK[kind](random_blocks(kind, rows, 256, seed=i))
+               for i, (kind, rows) in enumerate((("Q4_K", 8), ("Q4_K", 4), ("Q6_K", 4))))
+    joined = join_rows([q, k, v])
+    assert isinstance(joined, QRows) and [(p.layout, p.source) for p in joined.pieces] == [("q4", "Q4_K"), ("q8", "Q6_K")]
+    assert joined.shape == (16, 256) and joined.nbytes == q.nbytes + k.nbytes + v.nbytes
+    assert joined.nbytes < stack_rows([q, k, v]).nbytes / 2
+    assert join_rows([q, k]).layout == "q4"  # alike parts stay one matrix
+    whole = np.concatenate([dequantize_host(p) for p in (q, k, v)])
+    x = np.random.default_rng(3).standard_normal((5, 256)).astype(np.float32)
+    want = x.astype(np.float64) @ whole.T.astype(np.float64)
+    for use_native in ([None, False] if native.available() else [False]):
+        pieces = [qmatmul(jnp.asarray(x), jax.device_put(p), use_native=use_native) for p in joined.pieces]
+        got = np.asarray(jnp.concatenate(pieces, axis=-1))
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_allclose(np.asarray(matmul(jnp.asarray(x), jax.device_put(joined))), want, rtol=0,
+                               atol=1e-4 * np.abs(want).max())
 
 
 def test_the_native_kernel_is_built_where_a_compiler_is():

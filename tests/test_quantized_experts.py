@@ -226,6 +226,8 @@ def test_a_k_quant_moe_gguf_runs_quantized_in_every_tier(tmp_path):
     quantized, float32 = load_model(path), load_model(path, dtype="float32")
     downs = [layer["experts_down"].source for layer in quantized.weights["layers"]]
     assert downs == ["Q6_K", "Q5_K"] and quantized.weights["layers"][0]["experts_gate_up"].source == "Q4_K"
+    # Q and K (Q4_K) and V (Q6_K) as two pieces, each in its own format
+    assert quantized.weights["layers"][0]["wqkv"].source == "Q4_K | Q6_K"
     prompt = long_prompt("qwen3_moe", hf["vocab_size"])
     assert relative_error(quantized.logits(prompt), float32.logits(prompt)) < RTOL
     want_tokens, want_logits, _ = resident_run(quantized, prompt)

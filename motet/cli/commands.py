@@ -37,7 +37,7 @@ def cmd_info(config: Config) -> int:
     width = max(map(len, info))
     lines = [f"{key:<{width}}  {value}" for key, value in info.items()]
     lines.append(f"tensors (quantized products: {kernel_name()}):")
-    lines += [f"  {group:<16} {'+'.join(g['formats']):<12} {g['values']:>12,} values {g['bytes']:>14,} bytes "
+    lines += [f"  {group:<16} {', '.join(g['formats']):<12} {g['values']:>12,} values {g['bytes']:>14,} bytes "
               f"({8 * g['bytes'] / g['values']:.2f} bits each)" for group, g in formats.items()]
     lines.append(f"bytes read per decode token: {info['decode_bytes'] / 1e6:.1f} MB of weights")
     slots = config.kv_slots

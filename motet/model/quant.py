@@ -14,7 +14,8 @@ K/block/group]): Q4_K then takes 4.75 bits a value where float32 scales took 6.
 Float32 scales are the plain form (--quantize's, and stacks of parts that differ).
 Every GGUF type motet reads repacks into one of these exactly (gguf_quants.py).
 
-`matmul(x, w)` takes a QTensor or a plain [K, N] array. On the CPU a QTensor goes to
+`matmul(x, w)` takes a QTensor, a QRows (a matrix in pieces of different layouts)
+or a plain [K, N] array. On the CPU a QTensor goes to
 the native kernel (kernels/, through jax.ffi) where it was built; elsewhere, and
 where it was not, the block is dequantized inside the jitted computation, which GPUs
 fuse into the dot.
@@ -177,6 +178,8 @@ def matmul(x: jax.Array, w) -> jax.Array:
     point of every weight product. The result has x's dtype."""
     if isinstance(w, QTensor):
         return qmatmul(x, w).astype(x.dtype)
+    if isinstance(w, QRows):
+        return jnp.concatenate([matmul(x, p) for p in w.pieces], axis=-1)
     return jnp.dot(x, w)
 
 
@@ -249,6 +252,54 @@ def stack_rows(parts: list[QTensor]) -> QTensor:
 
     return QTensor(cat("values"), cat("scale"), cat("min"), first.layout, first.block, sources,
                    cat("super_scale"), cat("super_min"), first.group)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class QRows:
+    """A matrix whose rows come in pieces of different layouts, each held as the file
+    holds it: Q and K as Q4_K beside V as Q6_K, where one stack would widen all three to
+    int8 with float32 scales and mins per 16 (12 bits a value where Q4_K takes 4.75)."""
+    pieces: tuple[QTensor, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        n = sum(p.shape[-2] for p in self.pieces)
+        return (*self.pieces[0].shape[:-2], n, self.pieces[0].shape[-1])
+
+    @property
+    def dtype(self):
+        return np.dtype(np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+    @property
+    def layout(self) -> str:
+        return " | ".join(p.layout for p in self.pieces)
+
+    @property
+    def source(self) -> str:
+        return " | ".join(p.source or p.layout for p in self.pieces)
+
+
+def join_rows(parts: list[QTensor]) -> QTensor | QRows:
+    """One matrix of the parts' rows: stacked where their layouts agree, else in pieces,
+    runs of alike parts stacked, so no part is widened (a matrix product takes the pieces
+    in turn). For matrices that go through `matmul`; a stack of experts takes
+    `stack_rows`, which the experts' kernel reads as one."""
+    def form(p: QTensor) -> tuple:
+        return p.layout, p.block, p.min is None
+
+    runs: list[list[QTensor]] = []
+    for p in parts:
+        if runs and form(runs[-1][0]) == form(p):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    pieces = tuple(run[0] if len(run) == 1 else stack_rows(run) for run in runs)
+    return pieces[0] if len(pieces) == 1 else QRows(pieces)
 
 
 def stack(items: list) -> np.ndarray | QTensor:

@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from .config import ModelConfig
 from .errors import ModelFileError
 from .file_rows import FileRows
-from .quant import QTensor, stack_rows
+from .quant import QRows, QTensor, join_rows, stack_rows
 from .sharding import place_leaf
 
 
@@ -76,7 +76,8 @@ def _get(source: TensorSource, name: str, shape: tuple[int, ...]) -> np.ndarray:
 def _matrix(source: TensorSource, parts: list[tuple[str, tuple[int, ...]]], quantized: bool):
     """The rows of `parts` ([out, in] each, as files hold them; [E, out, in] for a stack
     of experts) as one matrix: a QTensor [..., out, in] when quantized and the file holds
-    every part quantized, else float32 [..., in, out] (x @ W)."""
+    every part quantized (a QRows where 2-D parts' layouts differ), else float32 [..., in,
+    out] (x @ W)."""
     if quantized:
         packed = [p for p in (source.get_packed(name) for name, _ in parts) if p is not None]
         if len(packed) == len(parts):
@@ -84,7 +85,7 @@ def _matrix(source: TensorSource, parts: list[tuple[str, tuple[int, ...]]], quan
                 if p.shape != shape:
                     raise ModelFileError(f"{source.describe(name)} has shape {p.shape}, "
                                          f"expected {shape} from the model's config")
-            return packed[0] if len(packed) == 1 else stack_rows(packed)
+            return packed[0] if len(packed) == 1 else (stack_rows if packed[0].values.ndim == 3 else join_rows)(packed)
     return np.concatenate([_get(source, name, shape) for name, shape in parts], axis=-2).swapaxes(-1, -2)
 
 
@@ -96,13 +97,13 @@ def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, expe
     quantized: keep the projections, the experts, the embedding and the LM head as the
     file quantized them (QTensor, quant.py); the norms and routers stay float32."""
     if mesh is None:
-        def put(name: str, array: QTensor | np.ndarray, dtype) -> jax.Array:
-            if isinstance(array, QTensor):
+        def put(name: str, array: QTensor | QRows | np.ndarray, dtype) -> jax.Array:
+            if isinstance(array, (QTensor, QRows)):
                 return jax.device_put(array)
             return jnp.asarray(array, dtype=dtype)
     else:
-        def put(name: str, array: QTensor | np.ndarray, dtype) -> jax.Array:
-            if isinstance(array, QTensor):  # quantized=True goes with a mesh only where the file holds floats
+        def put(name: str, array: QTensor | QRows | np.ndarray, dtype) -> jax.Array:
+            if isinstance(array, (QTensor, QRows)):  # quantized=True goes with a mesh only where the file holds floats
                 raise ValueError(f"{name}: quantized weights are not split over a mesh yet: load with --dtype float32")
             return place_leaf(cfg, mesh, name, array, dtype)
 
@@ -191,7 +192,7 @@ def weight_formats(weights: dict) -> dict[str, dict]:
         if isinstance(leaf, FileRows):
             fmt = f"{leaf.source} (the file's blocks)"
         else:
-            fmt = leaf.source or leaf.layout if isinstance(leaf, QTensor) else str(np.dtype(leaf.dtype))
+            fmt = leaf.source or leaf.layout if isinstance(leaf, (QTensor, QRows)) else str(np.dtype(leaf.dtype))
         group = groups.setdefault(name, {"formats": set(), "values": 0, "bytes": 0})
         group["formats"].add(fmt)
         group["values"] += int(np.prod(leaf.shape))
