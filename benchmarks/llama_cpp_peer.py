@@ -20,6 +20,30 @@ CPU_FLAGS = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "BMI2":
              "AVX512_BF16": "avx512_bf16", "AVX_VNNI": "avx_vnni"}
 
 
+def decode_bytes(path: Path) -> int:
+    """The weight bytes llama.cpp reads for a decode token of a GGUF file, from its own
+    tensor types: every matrix whole, but the embedding (one row), and of each expert
+    stack the share a token is routed to; a tied model's embedding is its head."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+
+    def field(key: str, default: int) -> int:
+        f = reader.fields.get(key)
+        return default if f is None else int(f.parts[f.data[0]][0])
+
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    share = field(f"{arch}.expert_used_count", 1) / field(f"{arch}.expert_count", 1)
+    names = {t.name for t in reader.tensors}
+    total = 0.0
+    for t in reader.tensors:
+        if t.name == "token_embd.weight" and "output.weight" in names:
+            total += int(t.n_bytes) / int(t.shape[-1])  # untied: a row a token
+        else:
+            total += int(t.n_bytes) * (share if "_exps." in t.name else 1)
+    return int(total)
+
+
 def install_hint() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()

@@ -40,6 +40,9 @@ between two runs minutes apart.
             around the step costs, less what the engine's pipelined steps hide (the next
             step runs while the host reads one), so it may be below zero. Likewise the
             bare step of 16 rows against the engine's step while all 16 streams decode.
+  reads     the weight bytes a decode token reads, in each file's heading: motet's from its
+            loaded model (`motet info`'s figure), llama.cpp's summed from the file's own
+            tensor types (llama_cpp_peer.decode_bytes).
 
 Both engines see identical ids, built with motet's tokenizer. llama.cpp never stops on
 EOS; motet does, so the prompts ask for long essays and the output reports what each
@@ -60,7 +63,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import peers_report as report
-from llama_cpp_peer import install_hint, llama_cpp_runs
+from llama_cpp_peer import decode_bytes, install_hint, llama_cpp_runs
 
 STREAMS = 16
 STREAM_PROMPT = 256
@@ -236,7 +239,7 @@ def motet_child_runs(job: dict) -> dict:
     peak_mb = peak_rss_mb()  # before the bare step's own KV
     return {"runs": out, "bare_step_ms": bare_step_ms(model, context),
             "bare_streams_step_ms": bare_step_ms(model, context, STREAMS, repeats=10), "peak_rss_mb": peak_mb,
-            "kv_dtype": model.kv_dtype, "context": context}
+            "kv_dtype": model.kv_dtype, "context": context, "decode_bytes": model.info()["decode_bytes"]}
 
 
 def child(which: str) -> int:
@@ -294,6 +297,7 @@ def compare(name: str, path: Path, args) -> tuple[dict, str] | None:
     combined = report.combine(rounds)
     result = {
         "file": name, "model": str(path), "bytes": path.stat().st_size, "kv": args.kv,
+        "decode_bytes": {"motet": children["motet"]["decode_bytes"], "llama_cpp": decode_bytes(path)},
         "llama_cpp_threads": args.threads, "timed_runs": args.repeats,
         "reported": "per round the best of each engine's timed runs; over the rounds the median of each figure "
                     "and of each ratio (motet / llama.cpp, taken within a round)",
@@ -302,7 +306,9 @@ def compare(name: str, path: Path, args) -> tuple[dict, str] | None:
                      "prefill_prompt_tokens": PREFILL_PROMPT},
         **combined, "rounds": rounds,
     }
-    heading = f"\n{name} ({path.name}, {path.stat().st_size / 1e6:.0f} MB), {args.rounds} round(s)"
+    reads = result["decode_bytes"]
+    heading = (f"\n{name} ({path.name}, {path.stat().st_size / 1e6:.0f} MB), {args.rounds} round(s); weights a "
+               f"decode token reads: motet {reads['motet'] / 1e6:.1f} MB, llama.cpp {reads['llama_cpp'] / 1e6:.1f} MB")
     table = report.table(heading, rounds, combined, streams=STREAMS, prefill=PREFILL_PROMPT, new_tokens=NEW_TOKENS)
     print(table, file=sys.stderr)  # progress, while the next file runs
     return result, table
