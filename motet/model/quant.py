@@ -268,10 +268,6 @@ class QRows:
         return (*self.pieces[0].shape[:-2], n, self.pieces[0].shape[-1])
 
     @property
-    def dtype(self):
-        return np.dtype(np.float32)
-
-    @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.pieces)
 
