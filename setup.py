@@ -2,7 +2,11 @@
 C++ compiler during the ordinary install. The build is optional: where it fails, the
 install goes on and motet uses the XLA path (motet/model/native.py says which)."""
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 
 def ffi_include() -> list[str]:
@@ -14,8 +18,28 @@ def ffi_include() -> list[str]:
         return []
 
 
+class ParallelBuildExt(build_ext):
+    """Compiles an extension's sources side by side, one compiler a core: the kernels'
+    ten files took 106 s one after another on a 2-core machine, most of an install."""
+
+    def build_extension(self, ext):
+        compile_one = self.compiler.compile
+
+        def compile_all(sources, *args, **kwargs):
+            with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+                objects = pool.map(lambda source: compile_one([source], *args, **kwargs), sources)
+                return [path for paths in objects for path in paths]
+
+        self.compiler.compile = compile_all
+        try:
+            super().build_extension(ext)
+        finally:
+            del self.compiler.compile
+
+
 KERNELS = "motet/model/kernels/"
 setup(
+    cmdclass={"build_ext": ParallelBuildExt},
     ext_modules=[
         Extension(
             "motet.model._qmatmul",

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from functools import partial
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import trio
 from conftest import COMPILE_CACHE, GOLDEN, REPO
 
 import motet
+from motet.model import native
 
 TIMEOUT = 300  # seconds: the wheel's build compiles the native kernels
 
@@ -61,7 +63,10 @@ async def test_a_wheel_in_a_fresh_venv_serves_the_page_it_ships(tmp_path):
     wheels = tmp_path / "wheels"
     await trio.run_process([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(REPO)],
                            capture_stdout=True, capture_stderr=True)
-    python = await trio.to_thread.run_sync(fresh_venv, tmp_path / "venv", next(wheels.glob("motet-*.whl")))
+    wheel = next(wheels.glob("motet-*.whl"))
+    kernels = [name for name in zipfile.ZipFile(wheel).namelist() if name.startswith("motet/model/_qmatmul")]
+    assert len(kernels) == native.available(), kernels  # built where the checkout's install built them
+    python = await trio.to_thread.run_sync(fresh_venv, tmp_path / "venv", wheel)
     where = subprocess.run([str(python), "-c", "import motet; print(motet.__file__)"], capture_output=True,
                            text=True, check=True, cwd=tmp_path).stdout.strip()
     assert Path(where).is_relative_to(tmp_path / "venv"), where  # the wheel's copy, not the checkout
