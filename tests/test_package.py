@@ -1,6 +1,7 @@
 """The package as users get it: `from motet import Engine` and the rest of the face, the
-model layer importable without Trio, and a built wheel, installed in a fresh venv, that
-serves the web page shipped inside it."""
+model layer importable without Trio, and a built wheel (with the native kernels wherever
+the checkout's install built them), installed in a fresh venv, that serves the web page
+shipped inside it."""
 
 from __future__ import annotations
 
