@@ -43,15 +43,14 @@ setup(
     ext_modules=[
         Extension(
             "motet.model._qmatmul",
+            # the long compiles first, so that the short ones fill in beside them
             sources=[KERNELS + f"qmatmul_{part}.cc" for part in ("ffi", "base", "avx2", "avx512", "avx512vnni")]
-            + [KERNELS + name for name in ("moe.cc", "norm_rope.cc", "kv_write.cc", "kv_copy.cc", "sample.cc")],
+            + [KERNELS + f"{name}.cc" for name in ("pool", "moe", "norm_rope", "kv_write", "kv_copy", "sample")],
             include_dirs=ffi_include(),
             language="c++",
             extra_compile_args=["-O3", "-std=c++17", "-w"],
-            depends=[KERNELS + name for name in ("qmatmul.h", "qmatmul_headers.h", "qmatmul_body.inc",
-                                                 "scales_body.inc", "attend_body.inc", "swiglu_body.inc", "matvec_avx2.inc",
-                                                 "matvec_avx512.inc", "four_entries.inc",
-                                                 "avx512_body.inc", "pairs_vnni.inc", "pairs_avx2.inc")],
+            # every header and included file: a change to any rebuilds the extension
+            depends=[KERNELS + name for name in sorted(os.listdir(KERNELS)) if name.endswith((".h", ".inc"))],
             optional=True,
         )
     ]
