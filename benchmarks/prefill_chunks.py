@@ -20,6 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from step_parts import best_ms
 
 from motet.model import load_model
 from motet.model.attention import attend_chunk
@@ -38,18 +39,6 @@ def prefill_ms(model, kv, ids: np.ndarray, chunk: int) -> float:
     return (time.perf_counter() - started) * 1e3
 
 
-def best_ms(call, calls: int = 10, rounds: int = 7) -> float:
-    jax.block_until_ready(call())
-    best = float("inf")
-    for _ in range(rounds):
-        started = time.perf_counter()
-        for _ in range(calls):
-            out = call()
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - started) / calls)
-    return best * 1e3
-
-
 def attention_ms(model, kv) -> dict[str, float]:
     cfg, rng = model.config, np.random.default_rng(0)
 
@@ -60,8 +49,8 @@ def attention_ms(model, kv) -> dict[str, float]:
     after = jax.jit(lambda q, k, v, kc, vc: attend_chunk(cfg, q, k, v, kc, vc, 1, TOKENS // 2))
     whole = (rows(TOKENS, cfg.n_heads), rows(TOKENS, cfg.n_kv_heads), rows(TOKENS, cfg.n_kv_heads))
     half = (rows(TOKENS // 2, cfg.n_heads), rows(TOKENS // 2, cfg.n_kv_heads), rows(TOKENS // 2, cfg.n_kv_heads))
-    return {f"attention {TOKENS}, no history": best_ms(lambda: fresh(*whole)),
-            f"attention {TOKENS // 2} after {TOKENS // 2}": best_ms(lambda: after(*half, kv[0][0], kv[1][0]))}
+    return {f"attention {TOKENS}, no history": best_ms(lambda: fresh(*whole), calls=10, rounds=7),
+            f"attention {TOKENS // 2} after {TOKENS // 2}": best_ms(lambda: after(*half, kv[0][0], kv[1][0]), calls=10, rounds=7)}
 
 
 def main(argv=None) -> int:
