@@ -101,6 +101,26 @@ def tiny_model():
     return get
 
 
+@pytest.fixture
+def llama(tiny_model):
+    """The tiny llama checkpoint (vocab 512, context 512): for tests that need *a* model."""
+    return tiny_model("llama")
+
+
+@pytest.fixture(params=["engine", "mux"])
+def kind(request) -> str:
+    """Which engine a test of both runs: the in-process Engine, or `motet mux` behind a MuxEngine."""
+    return request.param
+
+
+@pytest.fixture
+def open_engine(kind):
+    """open_engine(model, **geometry) → an engine of this test's kind, not yet started."""
+    from motet.engines.engine import Engine
+
+    return Engine if kind == "engine" else mux_engine
+
+
 def tiny_llama_with_template(folder: Path, template: str):
     """The tiny llama copied into `folder` with `template` as its chat template, loaded."""
     import json

@@ -418,11 +418,6 @@ def test_anthropic_messages_fuzzed(body, limits, count_only):
 # ---- request bodies on the live server ----------------------------------------------------
 
 
-@pytest.fixture
-def llama(tiny_model):
-    return tiny_model("llama")
-
-
 def assert_documented(response: httpx.Response, name: str) -> None:
     assert response.status_code < 500, (name, response.status_code, response.text[:300])
     if response.status_code >= 400:

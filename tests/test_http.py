@@ -37,18 +37,13 @@ from motet.runtime.config import ExpertSettings
 from motet.runtime.serve_settings import ServeSettings
 from motet.runtime.slot_table import common_prefix
 
-# as tests/test_engine.py, without the warm-up (tests/test_warm_start.py covers it)
+# as tests/engine_helpers.py, without the warm-up (tests/test_warm_start.py covers it)
 TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16, warm_up=False)
 SMOL = dict(kv_slots=16, max_context=512, prefill_chunk=64, warm_up=False)
 TIMEOUT = 240  # seconds; a hang fails the test instead of the suite
 HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
 MUX_CMD = shlex.join(MUX_COMMAND)  # `motet mux`, sharing the tests' compilation cache
 BACKENDS = ("engine", "mux")
-
-
-@pytest.fixture
-def llama(tiny_model):
-    return tiny_model("llama")
 
 
 @asynccontextmanager

@@ -21,11 +21,6 @@ thinking_llama = test_http_reasoning.thinking_llama  # the fixture: a tiny model
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture
-def llama(tiny_model):
-    return tiny_model("llama")
-
-
 def client(url: str) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
 

@@ -23,11 +23,6 @@ from motet.runtime.serve_settings import ServeSettings
 KEY = "s3cret-key"
 
 
-@pytest.fixture
-def llama(tiny_model):
-    return tiny_model("llama")
-
-
 async def raw_get(url: str, target: str) -> tuple[int, bytes]:
     """GET `target` exactly as written; the status and the body (read to its length)."""
     host, port = url.removeprefix("http://").rsplit(":", 1)

@@ -28,11 +28,6 @@ PROMPT = "The quick brown fox jumps over the lazy dog, and then"
 SLOTS = 4  # test_http.TINY
 
 
-@pytest.fixture
-def llama(tiny_model):
-    return tiny_model("llama")
-
-
 def files_under(root) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*")}
 

@@ -22,11 +22,6 @@ CITY = {"type": "object", "additionalProperties": False, "required": ["city", "c
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
 
 
-@pytest.fixture
-def llama(tiny_model):
-    return tiny_model("llama")
-
-
 async def test_json_schema_choice_regex_and_gbnf_from_the_official_client(serve_smol):
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
     async with serve_smol() as (engine, url):

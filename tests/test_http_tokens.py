@@ -4,16 +4,11 @@ server on both backends: the in-process Engine and a `motet mux` child."""
 from __future__ import annotations
 
 import httpx
-import pytest
 import test_http
 from test_http import HELLO, tiny_server
 
 serve_tiny = test_http.serve_tiny  # the fixture: the server on either backend
 
-
-@pytest.fixture
-def llama(tiny_model):
-    return tiny_model("llama")
 
 TEXT = "The quick brown fox jumps over the lazy dog."
 

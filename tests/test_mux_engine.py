@@ -1,4 +1,4 @@
-"""MuxEngine as a client of *any* mux engine: what the shared suite in test_engine.py
+"""MuxEngine as a client of *any* mux engine: what the shared suite in test_engine*.py
 cannot show. Scripted fake engines (a protocol peer written in plain Python, replaying
 frames built with motet's encoders) make interleaving, odd lines and a dying child
 deterministic; the real `motet mux` shows load failures, a killed child, slot choice and

@@ -20,11 +20,6 @@ PROMPT = tuple(range(5, 70))  # token ids: the tiny models' vocab is 512
 
 
 @pytest.fixture
-def llama(tiny_model):
-    return tiny_model("llama")
-
-
-@pytest.fixture
 def olmoe(tiny_model):
     return tiny_model("olmoe")
 
