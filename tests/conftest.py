@@ -1,5 +1,5 @@
 """Shared fixtures: the default model loaded once per session, the tiny golden models,
-and JAX's persistent compilation cache (under the repo's gitignored .jax_cache/) so
+the engines and HTTP servers of both kinds the API tests run on, and JAX's persistent compilation cache (under the repo's gitignored .jax_cache/) so
 reruns skip most compiles."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,27 @@ def open_engine(kind):
     from motet.engines.engine import Engine
 
     return Engine if kind == "engine" else mux_engine
+
+
+@pytest.fixture(params=["engine", "mux"])
+def serve_tiny(request):
+    """serve_tiny(engine_kw=TINY, **settings): the HTTP server over the tiny llama, on the
+    in-process Engine or a `motet mux` child; an async context manager of (engine, url)."""
+    from http_helpers import mux_server, tiny_server
+
+    if request.param == "engine":
+        return partial(tiny_server, request.getfixturevalue("llama"))
+    return partial(mux_server, GOLDEN / "llama")
+
+
+@pytest.fixture(params=["engine", "mux"])
+def serve_smol(request):
+    """As serve_tiny, over the default model (http_helpers.SMOL's geometry)."""
+    from http_helpers import SMOL, engine_server, mux_server
+
+    if request.param == "engine":
+        return partial(engine_server, request.getfixturevalue("default_model"), SMOL)
+    return partial(mux_server, request.getfixturevalue("default_model_file"), SMOL)
 
 
 def tiny_llama_with_template(folder: Path, template: str):

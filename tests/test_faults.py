@@ -32,7 +32,7 @@ import httpx
 import pytest
 import trio
 from conftest import GOLDEN, REPO
-from test_http import HELLO, TIMEOUT, mux_server, tiny_server, wait_until
+from http_helpers import HELLO, TIMEOUT, mux_server, tiny_server, wait_until
 from test_mux_sessions import LLAMA, submit
 
 from motet.engines.mux_engine import MuxEngine

@@ -37,9 +37,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from conftest import COMPILE_CACHE, GOLDEN, REPO
+from http_helpers import TIMEOUT, tiny_server
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from test_http import TIMEOUT, tiny_server
 from test_session_file import HEADER
 
 from motet.engines.mux_engine import MuxEngine

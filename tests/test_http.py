@@ -3,129 +3,32 @@ nursery, on a free loopback port) over a real engine, called with the official `
 client (sync in a worker thread, async under Trio) and with httpx and raw sockets where
 the bytes matter. No mocks; hard timeouts; no timing assertions.
 
-The API's behaviour is tested on both engines the server drives (the `backend`
-fixtures): the in-process Engine, and a `motet mux` child behind the server's own
-open_engine (as `motet serve --engine-cmd "motet mux"` runs it). Request validation is
-the app's alone and runs on the in-process Engine only.
+The API's behaviour is tested on both engines the server drives (conftest.py's
+`serve_tiny` and `serve_smol`): the in-process Engine, and a `motet mux` child behind the
+server's own open_engine (as `motet serve --engine-cmd "motet mux"` runs it).
 
 The tiny llama checkpoint (vocab 512, gibberish but real) serves most tests, with one
 geometry for all of them so they share compiled functions; the default model
-(SmolLM2-135M) serves the tests where the text matters. Safety (auth, CORS, limits,
-static files) is in test_http_safety.py.
+(SmolLM2-135M) serves the tests where the text matters. Errors and disconnects are in
+test_http_errors.py, safety (auth, CORS, limits, static files) in test_http_safety.py.
 """
 
 from __future__ import annotations
 
-import json
-import shlex
 import signal
 import subprocess
 import sys
-from contextlib import asynccontextmanager
 from functools import partial
 
 import httpx
 import openai
 import pytest
 import trio
-from conftest import COMPILE_CACHE, GOLDEN, MUX_COMMAND, REPO, metric
+from conftest import COMPILE_CACHE, GOLDEN, REPO, metric
+from http_helpers import HELLO, TIMEOUT, async_client, engine_server, in_thread, mux_server, sync_client, wait_until
 
-from motet.cli.compose import open_engine
-from motet.engines.engine import Engine
-from motet.http.serve import serve_app
 from motet.runtime.config import ExpertSettings
-from motet.runtime.serve_settings import ServeSettings
 from motet.runtime.slot_table import common_prefix
-
-# as tests/engine_helpers.py, without the warm-up (tests/test_warm_start.py covers it)
-TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16, warm_up=False)
-SMOL = dict(kv_slots=16, max_context=512, prefill_chunk=64, warm_up=False)
-TIMEOUT = 240  # seconds; a hang fails the test instead of the suite
-HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
-MUX_CMD = shlex.join(MUX_COMMAND)  # `motet mux`, sharing the tests' compilation cache
-BACKENDS = ("engine", "mux")
-
-
-@asynccontextmanager
-async def serving(engine, **settings):
-    """The app for `engine` on a free loopback port; yields its base URL."""
-    async with trio.open_nursery() as nursery:
-        urls = await nursery.start(partial(serve_app, engine, ServeSettings(port=0, **settings)))
-        yield urls[0]
-        nursery.cancel_scope.cancel()
-
-
-@asynccontextmanager
-async def engine_server(model, engine_kw, **settings):
-    """The server over an in-process Engine; yields (engine, url)."""
-    with trio.fail_after(TIMEOUT):
-        async with Engine(model, **engine_kw) as engine, serving(engine, **settings) as url:
-            yield engine, url
-
-
-def tiny_server(llama, engine_kw=TINY, **settings):
-    return engine_server(llama, engine_kw, **settings)
-
-
-@asynccontextmanager
-async def mux_server(model_path, engine_kw=TINY, **settings):
-    """The server over `motet mux` running `model_path`, opened as `motet serve
-    --engine-cmd` opens it (a RestartingEngine); yields (engine, url). The child takes
-    the slots, context and queue limit of `engine_kw`, not its prefill chunk."""
-    geometry = {k: engine_kw[k] for k in ("kv_slots", "max_context", "queue_limit") if k in engine_kw}
-    settings = ServeSettings(port=0, engine_cmd=MUX_CMD, model_path=model_path, **geometry, **settings)
-    with trio.fail_after(TIMEOUT):
-        async with open_engine(settings, None) as engine, trio.open_nursery() as nursery:
-            url = (await nursery.start(partial(serve_app, engine, settings)))[0]
-            yield engine, url
-            nursery.cancel_scope.cancel()
-
-
-@pytest.fixture(params=BACKENDS)
-def serve_tiny(request):
-    """serve_tiny(engine_kw=TINY, **settings): the server over the tiny llama, on the
-    in-process Engine or a `motet mux` child; an async context manager of (engine, url)."""
-    if request.param == "engine":
-        return partial(tiny_server, request.getfixturevalue("llama"))
-    return partial(mux_server, GOLDEN / "llama")
-
-
-@pytest.fixture(params=BACKENDS)
-def serve_smol(request):
-    """As serve_tiny, over the default model (SMOL geometry)."""
-    if request.param == "engine":
-        return partial(engine_server, request.getfixturevalue("default_model"), SMOL)
-    return partial(mux_server, request.getfixturevalue("default_model_file"), SMOL)
-
-
-def sync_client(url: str, **kw) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
-
-
-def async_client(url: str, **kw) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
-
-
-async def in_thread(fn, *args, **kwargs):
-    return await trio.to_thread.run_sync(partial(fn, *args, **kwargs))
-
-
-async def sse_objects(response: httpx.Response) -> list:
-    """The data of each server-sent event: JSON objects, and the final "[DONE]"."""
-    out = []
-    async for line in response.aiter_lines():
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            out.append(data if data == "[DONE]" else json.loads(data))
-        else:
-            assert line == "", line  # events are `data:` lines and blank separators only
-    return out
-
-
-async def wait_until(predicate, poll_s: float = 0.01):
-    while not predicate():
-        await trio.sleep(poll_s)
-
 
 # ---- chat and completions, with the openai client ----------------------------------
 
@@ -316,158 +219,6 @@ async def test_penalties_bias_and_stop_ids_from_the_official_client(serve_tiny):
     assert forced.choices[0].text == repeated
     assert stopped.choices[0].text == "" and stopped.choices[0].finish_reason == "stop"
     assert stopped.usage.completion_tokens == 0
-
-
-# ---- errors ------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("path", "body", "param"), [
-    ("/v1/chat/completions", {"temperature": 3}, "temperature"),
-    ("/v1/chat/completions", {"top_p": 0}, "top_p"),
-    ("/v1/chat/completions", {"n": 17}, "n"),
-    ("/v1/completions", {"n": 2, "cache_slot": 0}, "cache_slot"),
-    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
-    ("/v1/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
-    ("/v1/chat/completions", {"frequency_penalty": "1"}, "frequency_penalty"),
-    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
-    ("/v1/chat/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
-    ("/v1/chat/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
-    ("/v1/chat/completions", {"logit_bias": [5, 1]}, "logit_bias"),
-    ("/v1/completions", {"stop_token_ids": [-1]}, "stop_token_ids"),
-    ("/v1/completions", {"stop_token_ids": 3}, "stop_token_ids"),
-    ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
-    ("/v1/chat/completions", {"max_tokens": "12"}, "max_tokens"),
-    ("/v1/chat/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ("/v1/chat/completions", {"top_logprobs": 9, "logprobs": True}, "top_logprobs"),
-    ("/v1/chat/completions", {"cache_slot": 4}, "cache_slot"),
-    ("/v1/chat/completions", {"top_k": -2}, "top_k"),
-    ("/v1/chat/completions", {"top_k": 1 << 40}, "top_k"),  # past the sampler's int32
-    ("/v1/completions", {"min_p": 1.5}, "min_p"),
-    ("/v1/chat/completions", {"messages": None}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages[0].content"),
-    ("/v1/chat/completions", {"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
-    ("/v1/chat/completions", {"model": None}, "model"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
-    ("/v1/completions", {"logprobs": 6}, "logprobs"),
-])
-async def test_bad_fields_are_400_naming_the_field(llama, path, body, param):
-    base = {"model": "m", "max_tokens": 2}
-    base |= {"messages": HELLO} if "chat" in path else {"prompt": "hi"}
-    async with tiny_server(llama) as (engine, url):
-        async with httpx.AsyncClient(base_url=url) as http:
-            response = await http.post(path, json={**base, **body})
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["type"] == "invalid_request_error" and error["param"] == param
-    assert error["message"] and "code" in error
-
-
-async def test_bad_request_through_the_openai_client_and_bad_json(llama):
-    async with tiny_server(llama) as (engine, url):
-        with pytest.raises(openai.BadRequestError) as caught:
-            await in_thread(sync_client(url).chat.completions.create, model="m", messages=HELLO, n=17)
-        async with httpx.AsyncClient(base_url=url) as http:
-            broken = await http.post("/v1/chat/completions", content=b"{not json")
-            missing = await http.post("/v1/chat/completions", json={"model": "m"})
-    assert caught.value.status_code == 400 and caught.value.body["param"] == "n"
-    assert broken.status_code == 400 and broken.json()["error"]["param"] is None
-    assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages"
-
-
-async def test_full_queue_is_429_with_retry_after(serve_tiny):
-    # 4 slots and one place in the queue: a burst of 24 long requests cannot all be
-    # taken, so some are refused at once, each with a 429 and a Retry-After.
-    async with serve_tiny({**TINY, "queue_limit": 1}) as (engine, url):
-        responses = []
-
-        async def one(http, i):
-            responses.append(await http.post("/v1/completions", json={
-                "model": "m", "prompt": f"story {i}", "max_tokens": 240, "temperature": 0}))
-
-        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT,
-                                     limits=httpx.Limits(max_connections=32)) as http:
-            async with trio.open_nursery() as nursery:
-                for i in range(24):
-                    nursery.start_soon(one, http, i)
-    statuses = sorted(r.status_code for r in responses)
-    assert set(statuses) == {200, 429} and statuses.count(200) >= 5, statuses
-    refused = next(r for r in responses if r.status_code == 429)
-    assert refused.headers["Retry-After"] == "1"
-    assert refused.json()["error"]["code"] == "queue_full"
-
-
-async def test_engine_refusals_are_4xx_naming_the_field_and_a_closing_engine_503(serve_tiny):
-    # what the engine refuses (not the request parser): an empty prompt, one past the
-    # context, a cache slot in use; then an engine that drains
-    async with serve_tiny() as (engine, url):
-        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as http:
-            post = partial(http.post, "/v1/completions")
-            empty = await post(json={"model": "m", "prompt": "", "max_tokens": 2})
-            too_long = await post(json={"model": "m", "prompt": "word " * 300, "max_tokens": 2})
-            chat_too_long = await http.post("/v1/chat/completions", json={
-                "model": "m", "messages": [{"role": "user", "content": "word " * 300}], "max_tokens": 2})
-            body = {"model": "m", "prompt": "a long one", "max_tokens": 240, "cache_slot": 1, "stream": True}
-            async with http.stream("POST", "/v1/completions", json=body) as holder:
-                busy = await post(json={**body, "stream": False})
-                await holder.aclose()
-            # closing: health says so, new requests are refused (a RestartingEngine's
-            # MuxEngine drains as the in-process Engine does)
-            await getattr(engine, "current", engine).drain()
-            health = await http.get("/health")
-            refused = await post(json={"model": "m", "prompt": "x", "max_tokens": 1})
-    for response, param in ((empty, "prompt"), (too_long, "prompt"), (chat_too_long, "messages")):
-        assert response.status_code == 400, response.text
-        error = response.json()["error"]
-        assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
-    assert too_long.json()["error"]["code"] == "context_length_exceeded"
-    assert busy.status_code == 409 and busy.headers["Retry-After"] == "1", busy.text
-    assert busy.json()["error"]["param"] == "cache_slot"
-    assert health.status_code == 503 and health.json()["status"] == "closing"
-    assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
-
-
-# ---- disconnects -------------------------------------------------------------------
-
-
-async def raw_request(url: str, method: str, path: str, body: dict | None = None) -> trio.SocketStream:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    stream = await trio.open_tcp_stream(host, int(port))
-    data = json.dumps(body).encode() if body is not None else b""
-    await stream.send_all(f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                          f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-    return stream
-
-
-async def test_disconnect_cancels_a_stream_and_frees_its_slot(serve_tiny):
-    async with serve_tiny() as (engine, url):
-        body = {"model": "m", "messages": HELLO, "max_tokens": 240, "stream": True, "cache_slot": 2}
-        stream = await raw_request(url, "POST", "/v1/chat/completions", body)
-        head = b""
-        while b'"role":"assistant"' not in head:  # the headers, then the role chunk: accepted
-            head += await stream.receive_some(65536)
-        assert head.startswith(b"HTTP/1.1 200")
-        await stream.aclose()
-        await wait_until(lambda: engine.statistics().running == 0)
-        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as http:
-            again = await http.post("/v1/chat/completions", json={**body, "max_tokens": 2, "stream": False})
-            metrics = (await http.get("/metrics")).text
-    assert again.status_code == 200, again.text
-    assert again.json()["colibri"]["stats"]["slot"] == 2
-    assert metric(metrics, "motet_requests_total", finish_reason="cancelled") == 1
-    assert metric(metrics, "motet_requests_total", finish_reason="length") == 1
-
-
-async def test_disconnect_cancels_a_non_streaming_request(serve_tiny):
-    async with serve_tiny() as (engine, url):
-        body = {"model": "m", "prompt": "a long one", "max_tokens": 240}
-        stream = await raw_request(url, "POST", "/v1/completions", body)
-        await wait_until(lambda: engine.statistics().running == 1)
-        await stream.aclose()
-        await wait_until(lambda: engine.statistics().running == 0)
-        async with httpx.AsyncClient(base_url=url) as http:
-            metrics = (await http.get("/metrics")).text
-    assert metric(metrics, "motet_requests_total", finish_reason="cancelled") == 1
 
 
 # ---- the other routes --------------------------------------------------------------

@@ -11,11 +11,9 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
-import test_http
 import test_http_reasoning
-from test_http import engine_server, in_thread, tiny_server
+from http_helpers import SMOL, engine_server, in_thread, tiny_server
 
-serve_smol = test_http.serve_smol  # the fixture: the default model's server on either backend
 thinking_llama = test_http_reasoning.thinking_llama  # the fixture: a tiny model whose template thinks
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -107,7 +105,7 @@ def uses(message) -> list[tuple[str, dict]]:
 async def test_tool_use_any_named_and_streamed_and_a_tool_result_back(default_model):
     """The server translates Anthropic's tools, whichever engine it drives: the in-process
     one here (test_http_tools runs tool calls over a mux engine too)."""
-    async with engine_server(default_model, test_http.SMOL) as (engine, url):
+    async with engine_server(default_model, SMOL) as (engine, url):
         ask = partial(client(url).messages.create, model="smol", max_tokens=60, extra_body={"temperature": 0},
                       tools=[WEATHER, ADD])
         forced = await in_thread(ask, messages=WEATHER_Q, tool_choice={"type": "any"})

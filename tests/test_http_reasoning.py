@@ -10,7 +10,7 @@ from functools import partial
 import openai
 import pytest
 from conftest import tiny_llama_with_template
-from test_http import in_thread, sync_client, tiny_server
+from http_helpers import in_thread, sync_client, tiny_server
 
 THINKING = (
     "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

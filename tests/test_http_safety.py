@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 import trio
-from conftest import GOLDEN, REPO
-from test_http import HELLO, TIMEOUT, in_thread, metric, sync_client, tiny_server, wait_until
+from conftest import GOLDEN, REPO, metric
+from http_helpers import HELLO, TIMEOUT, in_thread, sync_client, tiny_server, wait_until
 
 from motet.runtime.serve_settings import ServeSettings
 

@@ -13,19 +13,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-import test_http
-from test_http import TIMEOUT, tiny_server
+from http_helpers import TIMEOUT, tiny_server
 
 from motet.cli import build_parser
 from motet.http.openai_schema import InvalidRequest
 from motet.http.slots import FILENAME_PATTERN, MAX_FILENAME_BYTES, check_filename
 from motet.runtime.serve_settings import ServeSettings
 
-serve_tiny = test_http.serve_tiny  # the fixture: the server on either backend
-
 KEY = "slot-key-0123"
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"
-SLOTS = 4  # test_http.TINY
+SLOTS = 4  # http_helpers.TINY
 
 
 def files_under(root) -> set[str]:

@@ -12,10 +12,7 @@ from functools import partial
 import httpx
 import jsonschema
 import pytest
-import test_http
-from test_http import in_thread, sync_client, tiny_server
-
-serve_smol = test_http.serve_smol  # the fixture: the default model's server on either backend
+from http_helpers import in_thread, sync_client, tiny_server
 
 CITY = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
         "properties": {"city": {"type": "string", "maxLength": 24}, "country": {"type": "string", "maxLength": 24}}}

@@ -4,11 +4,7 @@ server on both backends: the in-process Engine and a `motet mux` child."""
 from __future__ import annotations
 
 import httpx
-import test_http
-from test_http import HELLO, tiny_server
-
-serve_tiny = test_http.serve_tiny  # the fixture: the server on either backend
-
+from http_helpers import HELLO, tiny_server
 
 TEXT = "The quick brown fox jumps over the lazy dog."
 

@@ -13,11 +13,8 @@ from functools import partial
 import httpx
 import jsonschema
 import pytest
-import test_http
 from conftest import tiny_llama_with_template
-from test_http import engine_server, in_thread, sync_client, tiny_server
-
-serve_smol = test_http.serve_smol  # the fixture: the default model's server on either backend
+from http_helpers import SMOL, TINY, engine_server, in_thread, sync_client, tiny_server
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
            "properties": {"city": {"type": "string", "maxLength": 24}}}
@@ -89,7 +86,7 @@ async def test_a_call_and_its_result_go_back_through_the_template(default_model)
                    {"id": "call_1", "type": "function",
                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 degrees"}]
-    async with engine_server(default_model, test_http.SMOL) as (engine, url):
+    async with engine_server(default_model, SMOL) as (engine, url):
         client = sync_client(url)
         answer = await in_thread(client.chat.completions.create, model="smol", messages=history, max_tokens=24,
                                  temperature=0, tools=TOOLS)
@@ -125,7 +122,7 @@ async def test_every_call_format_forced_by_its_grammar(tool_llama, parser):
     --tool-parser the template's own (hermes) is used, and the tools are in its prompt."""
     settings = {} if parser is None else {"tool_parser": parser}
     # the tiny model's vocabulary spells the tools out in many tokens: its whole context
-    async with tiny_server(tool_llama, {**test_http.TINY, "max_context": 512}, **settings) as (engine, url):
+    async with tiny_server(tool_llama, {**TINY, "max_context": 512}, **settings) as (engine, url):
         client = sync_client(url)
         ask = partial(client.chat.completions.create, model="m", messages=ASK, max_tokens=96, temperature=0,
                       tools=ONE_UNIT, tool_choice="required", parallel_tool_calls=False)

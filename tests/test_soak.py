@@ -10,7 +10,7 @@ import sys
 
 import trio
 from conftest import GOLDEN, REPO
-from test_http import MUX_CMD, TIMEOUT
+from http_helpers import MUX_CMD, TIMEOUT
 
 from motet.cli.compose import open_engine
 from motet.engines.engine import Engine
