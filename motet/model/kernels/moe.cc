@@ -102,7 +102,7 @@ void moe_experts(const Experts& m, Impl product, SwigluImpl swiglu, const Parall
     std::stable_sort(plan.by_rows.begin(), plan.by_rows.end(), [&](int64_t a, int64_t b) {
       return start[a + 1] - start[a] > start[b + 1] - start[b];
     });
-    plan.inner = Parallel{nullptr, inline_for_each};
+    plan.inner = Parallel{nullptr, inline_for_each, 1};
     parallel.for_each(parallel.pool, experts, run_expert, &plan);
   } else {
     for (int64_t e = 0; e < experts; ++e) run_expert(&plan, e);

@@ -79,11 +79,14 @@ struct QWeights {
 };
 
 // Runs task(arg, unit) once for every unit in [0, units), on as many threads as it has,
-// and returns when all have run (qmatmul_ffi.cc: XLA's own intra-op threads).
+// and returns when all have run (qmatmul_ffi.cc: XLA's own intra-op threads). `threads`
+// take units, the caller among them: a product cuts a large matrix into a few units a
+// thread, each a long run of its rows.
 using Task = void (*)(void* arg, int64_t unit);
 struct Parallel {
   void* pool;
   void (*for_each)(void* pool, int64_t units, Task task, void* arg);
+  int64_t threads;
 };
 // Parallel's for_each on XLA's intra-op pool (pool: an xla::ffi::ThreadPool).
 void for_each_on_pool(void* pool, int64_t units, Task task, void* arg);

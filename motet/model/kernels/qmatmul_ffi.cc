@@ -43,7 +43,9 @@ Choice& chosen() {
 }
 
 // Work shared out over XLA's intra-op threads, as the FFI hands them to a call.
-motet_qmatmul::Parallel on_pool(ffi::ThreadPool& threads) { return {&threads, motet_qmatmul::for_each_on_pool}; }
+motet_qmatmul::Parallel on_pool(ffi::ThreadPool& threads) {
+  return {&threads, motet_qmatmul::for_each_on_pool, threads.num_threads()};
+}
 
 // 0 until set: then the CPU's vendor decides (matvec_avx512.inc says why)
 std::atomic<int> rows_at_once{0};
