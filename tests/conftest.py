@@ -1,6 +1,7 @@
 """Shared fixtures: the default model loaded once per session, the tiny golden models,
-the engines and HTTP servers of both kinds the API tests run on, and JAX's persistent compilation cache (under the repo's gitignored .jax_cache/) so
-reruns skip most compiles."""
+the engines and HTTP servers of both kinds the API tests run on, and JAX's persistent
+compilation cache (under the repo's gitignored .jax_cache/) so reruns skip most
+compiles."""
 
 from __future__ import annotations
 
