@@ -177,8 +177,10 @@ def chunk_both(cfg, q, k, v, caches, slot, offset):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_prefill_kernel_equals_xla(isa, shape):
     # a fresh prompt; a chunk after a history shorter and longer than an attention
-    # block; a short chunk at the end of the context
-    for tokens, history, offset in ((16, False, 0), (37, True, 0), (64, True, 300), (5, True, 599)):
+    # block; a short chunk at the end of the context; chunks whose own keys the kernel
+    # blocks as the cache does, over three blocks and into a part of one
+    cases = ((16, False, 0), (37, True, 0), (64, True, 300), (5, True, 599), (150, False, 0), (100, True, 250))
+    for tokens, history, offset in cases:
         cfg, q, k, v, caches = chunk_case(*shape, tokens, history, seed=tokens)
         kernel, xla = chunk_both(cfg, q, k, v, caches, 2, offset)
         assert kernel.shape == xla.shape == (tokens, shape[0] * shape[1] * shape[2])
