@@ -85,12 +85,13 @@ def logits_after(model, ids: list[int], chunk: int, decoded: int = 0) -> np.ndar
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_answer_does_not_depend_on_where_the_chunks_are_cut(tiny_model, kind):
-    """A chunk attends to its own rows as the cache will hold them: 64 tokens read as one
-    chunk, or as four of 16 that each read the ones before from the cache, agree to
-    float32's summation order (unrounded own rows would leave them an 8-bit rounding apart)."""
+    """A chunk attends to its own rows as the cache will hold them: 150 tokens read as one
+    chunk (its keys over three blocks of the kernel's), or in chunks of 16 that each read
+    the ones before from the cache, agree to float32's summation order (unrounded own rows
+    would leave them an 8-bit rounding apart)."""
     model = dataclasses.replace(tiny_model("llama"), kv_dtype=kind)
-    ids = np.random.default_rng(3).integers(3, model.config.vocab_size, 64).tolist()
-    whole, cut = logits_after(model, ids, 64), logits_after(model, ids, 16)
+    ids = np.random.default_rng(3).integers(3, model.config.vocab_size, 150).tolist()
+    whole, cut = logits_after(model, ids, 150), logits_after(model, ids, 16)
     np.testing.assert_allclose(cut, whole, rtol=0, atol=2e-5 * np.abs(whole).max())
 
 
