@@ -2,7 +2,7 @@
 one run: single-stream decode, 16 concurrent streams, and a 512-token prefill.
 
     .venv/bin/python benchmarks/peers.py [--files default,moe-q4km,moe-q8] [--repeats N] [--rounds R]
-                                         [--threads T] [--kv float16|8-bit]
+                                         [--threads T] [--kv float16|8-bit] [--activations int16|int8]
 
 The files: the default model (SmolLM2-135M-Instruct, Q4_1), and a generated MoE of
 realistic shape (benchmarks/moe_gguf.py: Qwen3-MoE layout, 12 layers, 32 experts, top-4,
@@ -40,6 +40,8 @@ between two runs minutes apart.
             around the step costs, less what the engine's pipelined steps hide (the next
             step runs while the host reads one), so it may be below zero. Likewise the
             bare step of 16 rows against the engine's step while all 16 streams decode.
+  --activations int8 loads motet's side with x rounded to int8 in its products (the CLI's
+  --activations), as llama.cpp rounds it; the default keeps int16.
   reads     the weight bytes a decode token reads, in each file's heading: motet's from its
             loaded model (`motet info`'s figure), llama.cpp's summed from the file's own
             tensor types (llama_cpp_peer.decode_bytes).
@@ -232,7 +234,8 @@ def motet_child_runs(job: dict) -> dict:
 
     from motet.model import load_model
 
-    model = load_model(job["model"], kv_dtype="int8" if job["kv"] == "8-bit" else "auto")
+    model = load_model(job["model"], kv_dtype="int8" if job["kv"] == "8-bit" else "auto",
+                       activations=job["activations"])
     runs = [Workload(**w) for w in job["runs"]]
     context = job["n_ctx"] // STREAMS
     out = trio.run(motet_runs, model, runs, context)
@@ -282,7 +285,8 @@ def compare(name: str, path: Path, args) -> tuple[dict, str] | None:
 
     chat = load_chat(path)
     runs = [workload(chat, run) for run in range(args.repeats + 1)]  # run 0: untimed
-    job = {"model": str(path), "threads": args.threads, "kv": args.kv, "new_tokens": NEW_TOKENS,
+    job = {"model": str(path), "threads": args.threads, "kv": args.kv, "activations": args.activations,
+           "new_tokens": NEW_TOKENS,
            "n_ctx": STREAMS * -(-(PREFILL_PROMPT + NEW_TOKENS) // 256) * 256,  # cells per sequence
            "runs": [asdict(w) for w in runs]}
     rounds = []
@@ -297,6 +301,7 @@ def compare(name: str, path: Path, args) -> tuple[dict, str] | None:
     combined = report.combine(rounds)
     result = {
         "file": name, "model": str(path), "bytes": path.stat().st_size, "kv": args.kv,
+        "motet_activations": args.activations,
         "decode_bytes": {"motet": children["motet"]["decode_bytes"], "llama_cpp": decode_bytes(path)},
         "llama_cpp_threads": args.threads, "timed_runs": args.repeats,
         "reported": "per round the best of each engine's timed runs; over the rounds the median of each figure "
@@ -307,7 +312,8 @@ def compare(name: str, path: Path, args) -> tuple[dict, str] | None:
         **combined, "rounds": rounds,
     }
     reads = result["decode_bytes"]
-    heading = (f"\n{name} ({path.name}, {path.stat().st_size / 1e6:.0f} MB), {args.rounds} round(s); weights a "
+    heading = (f"\n{name} ({path.name}, {path.stat().st_size / 1e6:.0f} MB), {args.rounds} round(s), motet's x in "
+               f"{args.activations}; weights a "
                f"decode token reads: motet {reads['motet'] / 1e6:.1f} MB, llama.cpp {reads['llama_cpp'] / 1e6:.1f} MB")
     table = report.table(heading, rounds, combined, streams=STREAMS, prefill=PREFILL_PROMPT, new_tokens=NEW_TOKENS)
     print(table, file=sys.stderr)  # progress, while the next file runs
@@ -341,6 +347,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     parser.add_argument("--kv", choices=("float16", "8-bit"), default="float16",
                         help="both KV caches: float16, or 8-bit (motet int8, llama.cpp q8_0)")
+    parser.add_argument("--activations", choices=("int16", "int8"), default="int16",
+                        help="what motet's quantized products round x to (llama.cpp rounds it to int8)")
     parser.add_argument("--child", choices=("llama.cpp", "motet"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:

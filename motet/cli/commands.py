@@ -22,7 +22,7 @@ def open_model(settings: ModelSettings, lazy_experts: bool = False):
     log.info("loading %s", settings.path or "the default model (SmolLM2-135M-Instruct)")
     return load_model(settings.path, dtype=settings.dtype, max_context=settings.max_context,
                       lazy_experts=lazy_experts, mesh=settings.mesh,
-                      kv_dtype=settings.kv_dtype)
+                      kv_dtype=settings.kv_dtype, activations=settings.activations)
 
 
 def cmd_info(config: Config) -> int:
@@ -36,7 +36,8 @@ def cmd_info(config: Config) -> int:
     formats = info.pop("tensor_formats")
     width = max(map(len, info))
     lines = [f"{key:<{width}}  {value}" for key, value in info.items()]
-    lines.append(f"tensors (quantized products: {kernel_name()}):")
+    x = "int8, as llama.cpp (4-bit weights, many rows)" if model.config.x_bits == 8 else "int16 per 32 values"
+    lines.append(f"tensors (quantized products: {kernel_name()}; x rounded to {x}):")
     lines += [f"  {group:<16} {', '.join(g['formats']):<12} {g['values']:>12,} values {g['bytes']:>14,} bytes "
               f"({8 * g['bytes'] / g['values']:.2f} bits each)" for group, g in formats.items()]
     lines.append(f"bytes read per decode token: {info['decode_bytes'] / 1e6:.1f} MB of weights")
@@ -121,6 +122,7 @@ def cmd_mux(config: Config, mirror=None) -> int:
 
     try:
         loaded = load_model(settings.path, dtype=settings.dtype, mesh=settings.mesh, kv_dtype=settings.kv_dtype,
+                            activations=settings.activations,
                             lazy_experts=mux.experts.mode != "resident")
     except (ModelError, OSError, MemoryError) as exc:
         # An extension servers may read instead of READY; the reason also goes to stderr.

@@ -95,7 +95,8 @@ def run_worker(config: Config) -> int:
     settings, model = config.worker, config.model
     assert settings is not None  # a worker command's config has its part
     engine = dict(kv_slots=config.kv_slots, max_context=model.max_context or 4096, dtype=model.dtype,
-                  kv_dtype=model.kv_dtype, mesh=model.mesh, compile_cache=model.compile_cache,
+                  kv_dtype=model.kv_dtype, activations=model.activations, mesh=model.mesh,
+                  compile_cache=model.compile_cache,
                   warm_up=config.warm_up, share_prefixes=config.share_prefixes,
                   prefix_cache_gb=config.prefix_cache_gb, decode_burst=config.decode_burst)
     try:

@@ -68,7 +68,8 @@ def model_settings(args, env: Mapping[str, str]) -> ModelSettings:
         env.get("MOTET_COMPILE_CACHE", DEFAULT_COMPILE_CACHE))
     return ModelSettings(path=args.model, dtype=args.dtype, max_context=args.max_context,
                          compile_cache=cache if str(cache) not in ("", ".") else None,
-                         mesh=args.mesh or env.get("MOTET_MESH") or None, kv_dtype=args.kv_dtype)
+                         mesh=args.mesh or env.get("MOTET_MESH") or None, kv_dtype=args.kv_dtype,
+                         activations=args.activations)
 
 
 def expert_settings(args, env: Mapping[str, str]) -> ExpertSettings:

@@ -24,6 +24,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="the KV cache's element type (auto: float16 under quantized weights, as "
                         "llama.cpp's cache; otherwise the weights' dtype; int8 and fp8: 8 bits with a "
                         "float32 scale per position and KV head, half float16's bytes)")
+    p.add_argument("--activations", choices=("int16", "int8"), default="int16",
+                   help="what the quantized products round x to on the CPU: int16 per 32 values (the "
+                        "default, within 1e-4 of float32), or int8 as llama.cpp does (a faster prefill of "
+                        "4-bit weights, about 1e-2 of a product's largest output off)")
     p.add_argument("--max-context", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--compile-cache", type=Path, default=None,
                    help="JAX's persistent compilation cache (MOTET_COMPILE_CACHE; '' turns it off)")

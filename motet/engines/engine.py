@@ -14,7 +14,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -67,6 +66,7 @@ class Engine(Service, Collected):
         max_context: int = 4096,
         dtype: str = "auto",
         kv_dtype: str = "auto",
+        activations: str | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
         queue_limit: int = 64,
         experts: ExpertSettings | None = None,
@@ -85,6 +85,9 @@ class Engine(Service, Collected):
         bits with a float32 scale per position and KV head: "int8" or "fp8" (e4m3); "auto":
         float16 under quantized weights (as llama.cpp's cache), else the weights' dtype
         (a Model passed in keeps the one it was loaded with).
+        activations: what the quantized products round x to, "int16" or "int8" (as
+        llama.cpp: a faster prefill, about 1e-2 of a product's largest output off); None:
+        a Model passed in keeps its own, a path loads with int16.
         experts: where a MoE model's experts live (default: all on the device unless
         a budget says otherwise; see ExpertSettings). mesh: shard the model over several
         devices of this process, e.g. "ep=2,tp=2" (docs/scaling.md); experts stay resident.
@@ -100,12 +103,13 @@ class Engine(Service, Collected):
         a slot when a prompt starts with one (0: none kept).
         decode_burst: the most decode steps of one stream a device call takes (1 to 16) while
         no other request waits and it samples plainly: its tokens arrive that many at a time."""
-        check_engine_arguments(kv_slots, kv_dtype, prefill_chunk, decode_burst, prefix_cache_gb)
+        check_engine_arguments(kv_slots, kv_dtype, activations, prefill_chunk, decode_burst, prefix_cache_gb)
         self._model_arg = model
         self.kv_slots = kv_slots
         self.max_context = max_context
         self.dtype = dtype
         self.kv_dtype = kv_dtype
+        self.activations = activations
         self.prefill_chunk = prefill_chunk
         self.queue_limit = queue_limit
         self.expert_settings = experts or ExpertSettings()
@@ -204,9 +208,7 @@ class Engine(Service, Collected):
 
     def _load(self) -> Model:
         if isinstance(self._model_arg, Model):
-            if self.kv_dtype == "auto":
-                return self._model_arg
-            return replace(self._model_arg, kv_dtype=self.kv_dtype)
+            return self._model_arg.with_settings(self.kv_dtype, self.activations)
         from ..model.loader import load_model
 
         started = time.monotonic()
@@ -214,7 +216,7 @@ class Engine(Service, Collected):
         # Unless forced resident, the experts stay in the file until the plan is known.
         lazy = self.expert_settings.mode != "resident"
         model = load_model(self._model_arg, dtype=self.dtype, lazy_experts=lazy, mesh=self.mesh,
-                           kv_dtype=self.kv_dtype)
+                           kv_dtype=self.kv_dtype, activations=self.activations or "int16")
         log.info("model ready in %.1f s", time.monotonic() - started)
         return model
 

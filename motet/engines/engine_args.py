@@ -3,18 +3,23 @@ names it and the values it may take."""
 
 from __future__ import annotations
 
-from ..runtime.config import MAX_BURST
+from typing import get_args
+
+from ..runtime.config import MAX_BURST, Activations
 from ..runtime.kv_format import KV_DTYPE_CHOICES
 
 MAX_SLOTS = 16
 
 
-def check_engine_arguments(kv_slots: int, kv_dtype: str, prefill_chunk: int, decode_burst: int,
-                           prefix_cache_gb: float) -> None:
+def check_engine_arguments(kv_slots: int, kv_dtype: str, activations: str | None, prefill_chunk: int,
+                           decode_burst: int, prefix_cache_gb: float) -> None:
     if not 1 <= kv_slots <= MAX_SLOTS:
         raise ValueError(f"kv_slots must be in [1, {MAX_SLOTS}], got {kv_slots}")
     if kv_dtype not in KV_DTYPE_CHOICES:
         raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPE_CHOICES)}, got {kv_dtype!r}")
+    if activations is not None and activations not in get_args(Activations):
+        raise ValueError(f"activations must be one of {', '.join(get_args(Activations))} or None, "
+                         f"got {activations!r}")
     if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
         raise ValueError(f"prefill_chunk must be a power of two >= 16, got {prefill_chunk}")
     if not 1 <= decode_burst <= MAX_BURST:

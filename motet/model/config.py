@@ -27,6 +27,10 @@ QkNorm = Literal["none", "head", "full"]
 _QK_NORMS: dict[str, QkNorm] = {"qwen3_moe": "head", "olmoe": "full"}
 
 
+# What the quantized products may round x to (load_model's activations), and its bits.
+ACTIVATIONS = {"int16": 16, "int8": 8}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str
@@ -49,6 +53,9 @@ class ModelConfig:
     norm_topk_prob: bool = False
     # Per layer: True where the layer's FFN is a mixture of experts.
     moe_layers: tuple[bool, ...] = ()
+    # What the native quantized products round x to (load_model's activations): int16 per
+    # 32 values, or 8: int8, as llama.cpp does, where a kernel has that form
+    x_bits: int = 16
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHITECTURES:

@@ -31,7 +31,7 @@ from .heads import qkv_heads
 from .kv_writes import write_rows, write_rows_traced, writes_in_step
 from .moe import dense_ffn, moe_ffn
 from .norm import add_rms_norm, rms_norm
-from .quant import QTensor, matmul, take_rows
+from .quant import QTensor, matmul, take_rows, with_x_bits
 from .sampling import CARRY_WIDTH, native_unless_on, pack_sampled, sample
 from .sharding import KV_SPEC, TP, axis_size, local_config, mesh_of, weight_specs
 
@@ -53,7 +53,7 @@ def ffn(cfg: ModelConfig, layer: dict, x: jax.Array, moe_impl: str, mesh: Mesh |
 
 def lm_head(cfg: ModelConfig, weights: dict, x: jax.Array) -> jax.Array:
     x = rms_norm(x, weights["final_norm"], cfg.rms_eps)
-    head = weights["lm_head"]
+    head = with_x_bits(weights["lm_head"], cfg.x_bits)
     if isinstance(head, QTensor):
         return matmul(x.astype(F32), head)
     return jnp.dot(x, head, preferred_element_type=F32)
@@ -71,6 +71,7 @@ def embed(weights: dict, tokens: jax.Array) -> jax.Array:
 def _layer(cfg, layer, x, positions, attend, moe_impl, mesh):
     """One layer; attend(q, k, v) is its attention. Returns (x, its new K and V rows, its
     expert ids or None). mesh: inside shard_map over it (cfg counts this shard's heads)."""
+    layer = with_x_bits(layer, cfg.x_bits)
     q, k, v = qkv(cfg, layer, rms_norm(x, layer["attn_norm"], cfg.rms_eps), positions, mesh)
     out = matmul(attend(q, k, v), layer["wo"])  # row-parallel over tp: partial sums
     x, normed = add_rms_norm(x, jax.lax.psum(out, TP) if axis_size(mesh, TP) > 1 else out, layer["ffn_norm"],

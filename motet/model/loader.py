@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from ..runtime.kv_format import KV_DTYPE_CHOICES
 from . import native
 from .chat_template import CHATML_TEMPLATE, render_chat
-from .config import config_from_gguf, config_from_hf
+from .config import ACTIVATIONS, config_from_gguf, config_from_hf
 from .errors import ModelFileError, UnsupportedModelError
 from .expert_source import SourceExpertReader
 from .gguf_file import GGUF_MAGIC, GGUFSource, gguf_metadata, open_gguf
@@ -60,14 +60,19 @@ def default_model_path() -> Path:
 
 def load_model(path: str | Path | None = None, dtype: str = AUTO, max_context: int | None = None,
                lazy_experts: bool = False, mesh: MeshSpec | str | Mesh | None = None,
-               kv_dtype: str = AUTO) -> Model:
+               kv_dtype: str = AUTO, activations: str = "int16") -> Model:
     """lazy_experts: leave a MoE model's experts in the (mmapped) file, for a tiered
     expert pool to read one at a time; the model then has an `expert_reader`.
     mesh: shard the weights over several devices ("ep=4,tp=2", a MeshSpec or a Mesh with
     axes (ep, tp); see sharding.py), each leaf read into its shards directly; with
     lazy_experts only the shared weights (the pool is split as the experts would be).
     kv_dtype: the KV cache's element type (runtime/kv_format.py; auto: float16 under
-    quantized weights, else the weights' dtype)."""
+    quantized weights, else the weights' dtype).
+    activations: what the native quantized products round x to, "int16" per 32 values, or
+    "int8" as llama.cpp does (faster prefill, about 1e-2 of a product's largest output
+    off; docs/performance.md), where a kernel has that form."""
+    if activations not in ACTIVATIONS:
+        raise UnsupportedModelError(f"unsupported activations {activations!r}; choose one of {', '.join(ACTIVATIONS)}")
     if dtype not in DTYPE_CHOICES:
         raise UnsupportedModelError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
     if kv_dtype not in KV_DTYPE_CHOICES:
@@ -84,6 +89,7 @@ def load_model(path: str | Path | None = None, dtype: str = AUTO, max_context: i
         if max_context < 1:
             raise ValueError(f"max_context must be positive, got {max_context}")
         cfg = replace(cfg, max_context=max_context)
+    cfg = replace(cfg, x_bits=ACTIVATIONS[activations])
     lazy = lazy_experts and cfg.is_moe
     if mesh is not None:
         mesh = model_mesh(mesh, cfg)

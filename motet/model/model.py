@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .chat_template import CHATML_TEMPLATE, render_chat
-from .config import ModelConfig
+from .config import ACTIVATIONS, ModelConfig
 from .constraint import GrammarCompiler
 from .errors import ContextLengthError
 from .expert_pool import ExpertReader
@@ -38,6 +38,14 @@ class Model:
     def grammars(self) -> GrammarCompiler:
         """Compiles requests' grammars against this model's vocabulary (constraint.py)."""
         return GrammarCompiler(self.tokenizer, self.config.vocab_size)
+
+    def with_settings(self, kv_dtype: str = "auto", activations: str | None = None) -> Model:
+        """This model with another KV cache type ("auto": its own) or another rounding of
+        x in its quantized products (None: its own), its weights shared."""
+        model = self if kv_dtype == "auto" else replace(self, kv_dtype=kv_dtype)
+        if activations is None:
+            return model
+        return replace(model, config=replace(model.config, x_bits=ACTIVATIONS[activations]))
 
     @property
     def experts_packed(self) -> bool:

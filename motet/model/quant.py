@@ -24,7 +24,7 @@ fuse into the dot.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +50,9 @@ class QTensor:
     super_scale: jax.Array | np.ndarray | None = None
     super_min: jax.Array | np.ndarray | None = None
     group: int = field(default=0, metadata=dict(static=True))
+    # what the native products quantize x to: int16 per 32 values, or 8 (int8, as
+    # llama.cpp does) where a kernel has that form: AVX2's products of many rows over q4
+    x_bits: int = field(default=16, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -140,7 +143,8 @@ def ffi_operands(w: QTensor) -> tuple[tuple, dict]:
     none = jnp.zeros((0,), F32)
     buffers = tuple(none if a is None else a for a in (w.values, w.scale, w.min, w.super_scale, w.super_min))
     return buffers, {"kind": np.int64(LAYOUTS.index(w.layout)), "block": np.int64(w.block),
-                     "has_min": np.int64(w.min is not None), "group": np.int64(w.group)}
+                     "has_min": np.int64(w.min is not None), "group": np.int64(w.group),
+                     "x_bits": np.int64(w.x_bits)}
 
 
 def _native_matmul(x: jax.Array, w: QTensor, index=None) -> jax.Array:
@@ -171,6 +175,20 @@ def qmatmul(x: jax.Array, w: QTensor, use_native: bool | None = None, index=None
     if not use_native:
         return _xla_matmul(x, w)
     return jax.lax.platform_dependent(x, w, cpu=_native_matmul, default=_xla_matmul)
+
+
+X_BITS = (16, 8)
+
+
+def with_x_bits(tree, bits: int):
+    """The QTensors of a pytree (a layer's weights, a pool's stacks) set to quantize x to
+    `bits` in their native products: a static field, so no array is touched."""
+    if bits not in X_BITS:
+        raise ValueError(f"x is quantized to 16 or 8 bits, not {bits}")
+    if bits == 16:
+        return tree
+    return jax.tree.map(lambda t: replace(t, x_bits=bits) if isinstance(t, QTensor) else t, tree,
+                        is_leaf=lambda t: isinstance(t, QTensor))
 
 
 def matmul(x: jax.Array, w) -> jax.Array:

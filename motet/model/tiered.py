@@ -29,7 +29,7 @@ from .attention import attend_chunk, attend_rows
 from .forward import embed, lm_head, qkv
 from .moe import dense_ffn, local_experts, route, routed_experts
 from .norm import add_rms_norm, rms_norm
-from .quant import matmul
+from .quant import matmul, with_x_bits
 from .sharding import EP, KV_SPEC, LEAF_SPECS, TP, leaf_spec, local_config
 
 EXPERT_KEYS = ("experts_gate_up", "experts_down")
@@ -81,6 +81,7 @@ def layer_rows(cfg, layer, nxt, x, k_cache, v_cache, slots, positions, mesh: Mes
     weights' (the attention runs per tp shard of its heads where tp > 1)."""
 
     def body(cfg, mesh, layer, nxt, x, k_cache, v_cache, slots, positions):
+        layer = with_x_bits(layer, cfg.x_bits)
         q, k, v = qkv(cfg, layer, rms_norm(x, layer["attn_norm"], cfg.rms_eps), positions, mesh)
         out = attend_rows(cfg, q, k, v, k_cache, v_cache, slots, positions)
         return (*_after_attention(cfg, layer, x, out, nxt, mesh), k, v)
@@ -94,6 +95,7 @@ def layer_chunk(cfg, layer, nxt, x, k_cache, v_cache, slot, offset, mesh: Mesh |
     none at offset 0); new K [k, d, t], V [k, t, d]."""
 
     def body(cfg, mesh, layer, nxt, x, k_cache, v_cache, slot, offset):
+        layer = with_x_bits(layer, cfg.x_bits)
         positions = offset + jnp.arange(x.shape[0])
         q, k, v = qkv(cfg, layer, rms_norm(x, layer["attn_norm"], cfg.rms_eps), positions, mesh)
         out = attend_chunk(cfg, q, k, v, k_cache, v_cache, slot, offset)
@@ -122,13 +124,15 @@ def _per_shard(body, cfg, mesh: Mesh | None, layer, nxt, args, new_kv: P):
 POOL_SPECS = (LEAF_SPECS["experts_gate_up"], LEAF_SPECS["experts_down"])
 
 
-@partial(jax.jit, static_argnames=("impl", "mesh"))
-def moe_over_pool(x, h, w, mask, slot_ids, pool_gate_up, pool_down, *, impl, mesh: Mesh | None = None):
+@partial(jax.jit, static_argnames=("impl", "mesh", "x_bits"))
+def moe_over_pool(x, h, w, mask, slot_ids, pool_gate_up, pool_down, *, impl, mesh: Mesh | None = None,
+                  x_bits: int = 16):
     """x + the MoE output, the experts read from the pool by slot ids [t, k]. Only the
     assignments where mask [t, k] is 1 count: padding rows, and in a layer run in several
     passes the experts of the other passes, are masked out. mesh: the pool is split over
     it (POOL_SPECS); each device runs the assignments whose slot is its own, a psum adds
-    the shares (as moe.moe_ffn on a mesh)."""
+    the shares (as moe.moe_ffn on a mesh). x_bits: the model config's."""
+    pool_gate_up, pool_down = with_x_bits((pool_gate_up, pool_down), x_bits)
     if mesh is None:
         return x + routed_experts(h, w * mask, slot_ids, pool_gate_up, pool_down, impl)
 

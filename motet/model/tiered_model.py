@@ -215,7 +215,7 @@ class TieredModel:
             if dry:
                 nothing = np.zeros(ids.shape, np.int32)
                 x = moe_over_pool(x, h, w, nothing.astype(np.float32), nothing, *self.pool.pools[r],
-                                  impl=self.impl, mesh=self.mesh)
+                                  impl=self.impl, mesh=self.mesh, x_bits=self.cfg.x_bits)
                 continue
             x = self._moe(r, x, h, w, ids, real)
             if guess is not None and self.prefetch:
@@ -233,13 +233,13 @@ class TieredModel:
             self.pool.all_present(r, needed)
             mask = np.broadcast_to(real[:, None], ids.shape)
             return moe_over_pool(x, h, w, mask.astype(np.float32), np.where(mask, slots, 0).astype(np.int32),
-                                 *self.pool.pools[r], impl=self.impl, mesh=self.mesh)
+                                 *self.pool.pools[r], impl=self.impl, mesh=self.mesh, x_bits=self.cfg.x_bits)
         for group in self.pool.passes(r, needed):
             lut = self.pool.ensure(r, group)
             in_pass = real[:, None] & np.isin(ids, group)
             slot_ids = np.where(in_pass, lut[ids], 0).astype(np.int32)
             x = moe_over_pool(x, h, w, in_pass.astype(np.float32), slot_ids, *self.pool.pools[r],
-                              impl=self.impl, mesh=self.mesh)
+                              impl=self.impl, mesh=self.mesh, x_bits=self.cfg.x_bits)
         return x
 
 

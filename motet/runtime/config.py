@@ -28,6 +28,8 @@ DEFAULT_COMPILE_CACHE = Path.home() / ".cache" / "motet" / "jax"
 WeightFormat = Literal["auto", "float32", "bfloat16", "int8", "int4"]
 # the KV cache's element type; auto: float16 under quantized weights, else the weights'
 KVDtype = Literal["auto", "float32", "float16", "bfloat16", "int8", "fp8"]  # runtime/kv_format.py
+# what the quantized products round x to (model/loader.py ACTIVATIONS)
+Activations = Literal["int16", "int8"]
 ExpertMode = Literal["auto", "resident", "tiered"]
 ExpertPolicyKind = Literal["heat", "lru"]  # actors/expert_policy.py
 
@@ -40,12 +42,15 @@ class ModelSettings:
     compile_cache: Path | None = None  # JAX's persistent compilation cache
     mesh: str | None = None  # shard over devices, "ep=2,tp=2" (docs/scaling.md); None: one device
     kv_dtype: KVDtype = "auto"
+    activations: Activations = "int16"
 
     def __post_init__(self):
         if self.dtype not in get_args(WeightFormat):
             raise ValueError(f"dtype must be auto, float32, bfloat16, int8 or int4, got {self.dtype!r}")
         if self.kv_dtype not in get_args(KVDtype):
             raise ValueError(f"kv_dtype must be auto, float32, float16, bfloat16, int8 or fp8, got {self.kv_dtype!r}")
+        if self.activations not in get_args(Activations):
+            raise ValueError(f"activations must be int16 or int8, got {self.activations!r}")
         if self.max_context is not None and self.max_context < 16:
             raise ValueError(f"max_context must be at least 16, got {self.max_context}")
 

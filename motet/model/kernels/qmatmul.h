@@ -76,6 +76,9 @@ struct QWeights {
   // min would add a third to its bytes)
   Packed packed_scale;
   Packed packed_min;
+  // What x is quantized to: int16 per 32 values (16), or int8 (8) where a kernel has
+  // that form (AVX2's many-row products over 4-bit weights; elsewhere int16)
+  int x_bits = 16;
 };
 
 // Runs task(arg, unit) once for every unit in [0, units), on as many threads as it has,

@@ -91,7 +91,7 @@ bool set_scales(QWeights& w, const ffi::AnyBuffer& scale, const ffi::AnyBuffer& 
 // where their element type says so), and its attributes.
 struct Matrix {
   ffi::AnyBuffer values, scale, mins, super_scale, super_min;
-  int64_t kind, block, has_min, group;
+  int64_t kind, block, has_min, group, x_bits;
 };
 
 // Matrix `index` of m (a stack [stack, n, row bytes], or one matrix [n, row bytes] and
@@ -109,6 +109,8 @@ ffi::Error matrix_of(const Matrix& m, int64_t k, int64_t index, const char* what
   index = std::clamp<int64_t>(index, 0, stack - 1);  // as XLA clamps a dynamic slice
   w = QWeights{static_cast<int>(m.kind), static_cast<int>(m.block), n, k,
                static_cast<const uint8_t*>(m.values.untyped_data()) + index * n * row_bytes};
+  if (m.x_bits != 8 && m.x_bits != 16) return ffi::Error::InvalidArgument(std::string(what) + ": x_bits is 8 or 16");
+  w.x_bits = static_cast<int>(m.x_bits);
   if (!set_scales(w, m.scale, m.mins, m.super_scale, m.super_min, m.group, m.has_min, index * n * blocks))
     return ffi::Error::InvalidArgument(std::string(what) + ": scales and mins must be float32, float16, or "
                                        "uint8 or int8 with float32 super entries");
@@ -135,19 +137,21 @@ ffi::Error Product(ffi::ThreadPool& threads, ffi::Buffer<ffi::F32>& x, const Mat
 
 ffi::Error QMatmul(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::AnyBuffer scale,
                    ffi::AnyBuffer mins, ffi::AnyBuffer super_scale, ffi::AnyBuffer super_min,
-                   ffi::ResultBuffer<ffi::F32> out, int64_t kind, int64_t block, int64_t has_min, int64_t group) {
+                   ffi::ResultBuffer<ffi::F32> out, int64_t kind, int64_t block, int64_t has_min, int64_t group,
+                   int64_t x_bits) {
   if (values.dimensions().size() != 2) return ffi::Error::InvalidArgument("qmatmul: bad ranks");
-  return Product(threads, x, Matrix{values, scale, mins, super_scale, super_min, kind, block, has_min, group}, out, 0);
+  return Product(threads, x, Matrix{values, scale, mins, super_scale, super_min, kind, block, has_min, group, x_bits},
+                 out, 0);
 }
 
 ffi::Error QMatmulStacked(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
                           ffi::AnyBuffer scale, ffi::AnyBuffer mins, ffi::AnyBuffer super_scale,
                           ffi::AnyBuffer super_min, ffi::Buffer<ffi::S32> index, ffi::ResultBuffer<ffi::F32> out,
-                          int64_t kind, int64_t block, int64_t has_min, int64_t group) {
+                          int64_t kind, int64_t block, int64_t has_min, int64_t group, int64_t x_bits) {
   if (values.dimensions().size() != 3 || index.element_count() != 1)
     return ffi::Error::InvalidArgument("qmatmul_stacked: bad ranks");
-  return Product(threads, x, Matrix{values, scale, mins, super_scale, super_min, kind, block, has_min, group}, out,
-                 index.typed_data()[0]);
+  return Product(threads, x, Matrix{values, scale, mins, super_scale, super_min, kind, block, has_min, group, x_bits},
+                 out, index.typed_data()[0]);
 }
 
 // A stack [count, n, k] of one layout from its buffers, or an error.
@@ -165,13 +169,14 @@ ffi::Error MoeExperts(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::Buf
                       ffi::AnyBuffer gu_mins, ffi::AnyBuffer gu_super_scale, ffi::AnyBuffer gu_super_min,
                       ffi::AnyBuffer down_values, ffi::AnyBuffer down_scale, ffi::AnyBuffer down_mins,
                       ffi::AnyBuffer down_super_scale, ffi::AnyBuffer down_super_min, ffi::ResultBuffer<ffi::F32> out,
-                      int64_t gu_kind, int64_t gu_block, int64_t gu_has_min, int64_t gu_group, int64_t down_kind,
-                      int64_t down_block, int64_t down_has_min, int64_t down_group) {
+                      int64_t gu_kind, int64_t gu_block, int64_t gu_has_min, int64_t gu_group, int64_t gu_x_bits,
+                      int64_t down_kind, int64_t down_block, int64_t down_has_min, int64_t down_group,
+                      int64_t down_x_bits) {
   motet_qmatmul::Experts m{};
   const Matrix gate_up{gu_values, gu_scale, gu_mins, gu_super_scale, gu_super_min,
-                       gu_kind, gu_block, gu_has_min, gu_group};
+                       gu_kind, gu_block, gu_has_min, gu_group, gu_x_bits};
   const Matrix down{down_values, down_scale, down_mins, down_super_scale, down_super_min,
-                    down_kind, down_block, down_has_min, down_group};
+                    down_kind, down_block, down_has_min, down_group, down_x_bits};
   if (auto e = stack_of(gate_up, m.gate_up); e.failure()) return e;
   if (auto e = stack_of(down, m.down); e.failure()) return e;
   const auto xd = x.dimensions(), id = ids.dimensions();
@@ -294,7 +299,8 @@ auto matrix_attributes(Binding binding, const std::string& prefix) {
       .template Attr<int64_t>(prefix + "kind")
       .template Attr<int64_t>(prefix + "block")
       .template Attr<int64_t>(prefix + "has_min")
-      .template Attr<int64_t>(prefix + "group");
+      .template Attr<int64_t>(prefix + "group")
+      .template Attr<int64_t>(prefix + "x_bits");
 }
 
 // Attention, decode or prefill: q, the new rows' (or the chunk's) K and V, the caches,
