@@ -17,12 +17,13 @@ from conftest import GOLDEN
 from gguf_fixtures import add_tokenizer, mix, write_tensors
 from kquants import quantize_k
 from test_expert_tiers import long_prompt, make_pool, resident_run, tiered_run
-from test_quant import avx2, dequantize_host, layouts  # noqa: F401 (avx2: a fixture)
+from test_quant import avx2, dequantize_host, layouts, random_blocks  # noqa: F401 (avx2: a fixture)
 from test_quantized_experts import _k_mix, random_qwen3_moe, relative_error
 
 from motet.model import UnsupportedModelError, load_model
 from motet.model.generate import generate
-from motet.model.quant import qmatmul, scales_of, with_x_bits
+from motet.model.gguf_quants import REPACK
+from motet.model.quant import qmatmul, stack_rows, takes_int8_x, with_x_bits
 from motet.model.tiered import moe_over_pool
 from motet.model.tiered_model import TieredModel
 
@@ -34,18 +35,15 @@ def int8_reference(x: np.ndarray, w) -> np.ndarray:
     spans = x.reshape(m, k // 32, 32)
     top = np.abs(spans).max(-1, keepdims=True)
     inverse = np.where(top > 0, np.float32(127) / np.where(top > 0, top, 1), 0).astype(np.float32)
-    rounded = np.rint(spans * inverse) * (top / np.float32(127))
-    values = np.asarray(w.values).reshape(w.shape[0], -1, 16)
-    q = np.concatenate([values & 15, values >> 4], -1).astype(np.float64)
-    scale, mins = scales_of(jax.tree.map(np.asarray, w), np)
-    dots = np.einsum("mbj,nbj,nb->mn", rounded.astype(np.float64), q, scale.astype(np.float64))
-    return dots + np.einsum("mb,nb->mn", rounded.astype(np.float64).sum(-1), mins.astype(np.float64))
+    rounded = (np.rint(spans * inverse) * (top / np.float32(127))).astype(np.float64).reshape(m, -1, w.block)
+    return np.einsum("mbj,nbj->mn", rounded, dequantize_host(w).astype(np.float64).reshape(w.shape[0], -1, w.block))
 
 
 def test_int8_x_products_are_exact_on_x_as_rounded_and_report_their_error(avx2):  # noqa: F811
+    """4-bit weights, and int8 ones of six bits (Q6_K's by 16, Q5_K's with mins)."""
     rng = np.random.default_rng(11)
     for w in layouts():
-        if w.layout != "q4":
+        if not takes_int8_x(w):
             continue
         w = jax.device_put(w)
         reference = dequantize_host(w).astype(np.float64)
@@ -60,15 +58,22 @@ def test_int8_x_products_are_exact_on_x_as_rounded_and_report_their_error(avx2):
 
 
 def test_int8_x_leaves_products_without_an_int8_form_as_they_were(avx2):  # noqa: F811
-    """int8 weights (no int8 form yet), and up to six rows of x (the one-row dots, which
-    read memory rather than wait on arithmetic): the same bits as with int16."""
+    """int8 weights of more than six bits (Q8_0's), and up to six rows of x (the one-row
+    dots, which read memory rather than wait on arithmetic): the same bits as int16."""
     rng = np.random.default_rng(12)
+    seen = set()
     for w in layouts():
+        seen.add(w.source)
         w = jax.device_put(w)
-        for m in (1, 6) if w.layout == "q4" else (1, 6, 16, 64):
+        for m in (1, 6) if takes_int8_x(w) else (1, 6, 16, 64):
             x = rng.standard_normal((m, w.shape[1])).astype(np.float32)
             want = np.asarray(qmatmul(x, w, use_native=True))
             np.testing.assert_array_equal(np.asarray(qmatmul(x, with_x_bits(w, 8), use_native=True)), want)
+    assert {"Q8_0", "Q6_K", "Q5_K", "Q4_K"} <= seen
+    # a stack of parts (gate and up, Q, K and V) takes int8 x where all of its parts can
+    parts = {kind: REPACK[kind](random_blocks(kind, 4, 256)) for kind in ("Q4_K", "Q6_K", "Q8_0")}
+    assert takes_int8_x(stack_rows([parts["Q4_K"], parts["Q6_K"]]))
+    assert not takes_int8_x(stack_rows([parts["Q4_K"], parts["Q8_0"]]))
 
 
 @pytest.fixture(scope="module")

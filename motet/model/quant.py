@@ -180,15 +180,28 @@ def qmatmul(x: jax.Array, w: QTensor, use_native: bool | None = None, index=None
 X_BITS = (16, 8)
 
 
+# The GGUF types whose values lie within [-32, 31] as int8 (q8: Q5_K's and Q6_K's, and
+# the 4-bit ones widened to stack with them): the int8 products take those as unsigned
+# bytes plus 32, and an int8 x as signed ones.
+SIX_BIT_SOURCES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"})
+
+
+def takes_int8_x(w: QTensor) -> bool:
+    """Whether the kernels' int8 form of x can take w: 4-bit values, or int8 values of
+    six bits (by the file's types: `source` joins a stack's with "+")."""
+    return w.layout == "q4" or set(w.source.split("+")) <= SIX_BIT_SOURCES
+
+
 def with_x_bits(tree, bits: int):
     """The QTensors of a pytree (a layer's weights, a pool's stacks) set to quantize x to
-    `bits` in their native products: a static field, so no array is touched."""
+    `bits` in their native products where they can take it (takes_int8_x): a static
+    field, so no array is touched."""
     if bits not in X_BITS:
         raise ValueError(f"x is quantized to 16 or 8 bits, not {bits}")
     if bits == 16:
         return tree
-    return jax.tree.map(lambda t: replace(t, x_bits=bits) if isinstance(t, QTensor) else t, tree,
-                        is_leaf=lambda t: isinstance(t, QTensor))
+    return jax.tree.map(lambda t: replace(t, x_bits=bits) if isinstance(t, QTensor) and takes_int8_x(t) else t,
+                        tree, is_leaf=lambda t: isinstance(t, QTensor))
 
 
 def matmul(x: jax.Array, w) -> jax.Array:

@@ -77,7 +77,8 @@ struct QWeights {
   Packed packed_scale;
   Packed packed_min;
   // What x is quantized to: int16 per 32 values (16), or int8 (8) where a kernel has
-  // that form (AVX2's many-row products over 4-bit weights; elsewhere int16)
+  // that form (AVX2's many-row products; elsewhere int16). 8 on a Q8 matrix also says
+  // its values lie within [-32, 31] (quant.py's with_x_bits sets it so only then).
   int x_bits = 16;
 };
 
