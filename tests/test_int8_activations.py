@@ -47,7 +47,8 @@ def test_int8_x_products_are_exact_on_x_as_rounded_and_report_their_error(avx2):
             continue
         w = jax.device_put(w)
         reference = dequantize_host(w).astype(np.float64)
-        for m in (7, 16, 45, 64):  # past the one-row dots' six rows: the pairs' loops
+        # the one-row dots take 4-bit weights' rows up to six, the integer pairs more
+        for m in ((1, 2, 5, 6) if w.layout == "q4" else ()) + (7, 16, 45, 64):
             x = rng.standard_normal((m, w.shape[1])).astype(np.float32)
             exact = x.astype(np.float64) @ reference.T
             largest = np.abs(exact).max()
@@ -58,13 +59,16 @@ def test_int8_x_products_are_exact_on_x_as_rounded_and_report_their_error(avx2):
 
 
 def test_int8_x_leaves_products_without_an_int8_form_as_they_were(avx2):  # noqa: F811
-    """int8 weights of more than six bits (Q8_0's), and up to six rows of x (the one-row
-    dots, which read memory rather than wait on arithmetic): the same bits as int16."""
+    """int8 weights of more than six bits (Q8_0's), and up to six rows of x over int8
+    weights (the one-row dots, which read memory rather than wait on arithmetic): the
+    same bits as int16."""
     rng = np.random.default_rng(12)
     seen = set()
     for w in layouts():
         seen.add(w.source)
         w = jax.device_put(w)
+        if w.layout == "q4":
+            continue
         for m in (1, 6) if takes_int8_x(w) else (1, 6, 16, 64):
             x = rng.standard_normal((m, w.shape[1])).astype(np.float32)
             want = np.asarray(qmatmul(x, w, use_native=True))
@@ -108,9 +112,11 @@ def test_a_moe_file_rounds_x_in_int8_resident_and_from_a_tiered_pool(avx2, k_mix
     prompt = long_prompt("qwen3_moe", vocab)
     int16, int8 = load_model(path), load_model(path, activations="int8")
     assert (int16.config.x_bits, int8.config.x_bits) == (16, 8)
-    assert 1e-3 < relative_error(resident_run(int8, prompt)[1], resident_run(int16, prompt)[1]) < 3e-2
+    # the prompt's logits: this random model's routing flips at near ties, and its greedy
+    # steps then go apart
+    assert 1e-3 < relative_error(resident_run(int8, prompt)[1][0], resident_run(int16, prompt)[1][0]) < 3e-2
     lazy = {bits: load_model(path, lazy_experts=True, activations=f"int{bits}") for bits in (16, 8)}
-    tiered = {bits: tiered_run(TieredModel(m, make_pool(m, 2, ram=2)), prompt)[1] for bits, m in lazy.items()}
+    tiered = {bits: tiered_run(TieredModel(m, make_pool(m, 2, ram=2)), prompt)[1][0] for bits, m in lazy.items()}
     assert 1e-3 < relative_error(tiered[8], tiered[16]) < 3e-2
     pool = make_pool(lazy[8], 2)
     pool.fill(np.arange(pool.E)[None].repeat(pool.R, 0))
