@@ -1,7 +1,7 @@
-"""x rounded to int8 (`--activations int8`, as llama.cpp rounds it): AVX2's products of
-many rows over 4-bit weights take it; everything else keeps int16. Its error is reported
-against float32 (benchmarks/activation_error.py, beside llama.cpp's), and a model keeps
-its greedy tokens."""
+"""x rounded to int8 (`--activations int8`, as llama.cpp rounds it): AVX2's integer pairs
+over 4-bit and six-bit weights and its one-row dots over 4-bit ones take it; everything
+else keeps int16. Its error is reported against float32 (benchmarks/activation_error.py,
+beside llama.cpp's), and a model mostly keeps its greedy tokens."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ def cmd_info(config: Config) -> int:
     formats = info.pop("tensor_formats")
     width = max(map(len, info))
     lines = [f"{key:<{width}}  {value}" for key, value in info.items()]
-    x = "int8, as llama.cpp (4-bit weights, many rows)" if model.config.x_bits == 8 else "int16 per 32 values"
+    x = "int8 per 32 values where AVX2's kernels take it" if model.config.x_bits == 8 else "int16 per 32 values"
     lines.append(f"tensors (quantized products: {kernel_name()}; x rounded to {x}):")
     lines += [f"  {group:<16} {', '.join(g['formats']):<12} {g['values']:>12,} values {g['bytes']:>14,} bytes "
               f"({8 * g['bytes'] / g['values']:.2f} bits each)" for group, g in formats.items()]
