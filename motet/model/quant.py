@@ -6,6 +6,7 @@ them), kept as one of two layouts:
   q4  values uint8 [..., N, K/2]: in each block of 32, byte i holds value i in its low
       nibble and value i + 16 in its high one; block 32
   q8  values int8 [..., N, K]; block 16 or 32
+  p8  a q8 matrix of Q6_K blocks as the AVX2 kernels' panels of 16 rows (panels.py)
 with scale [..., N, K/block] and, where the format has one, min likewise: a weight is
 q · scale + min. Scales and mins are as the file keeps them, so no value changes:
 float16 (Q4_0, Q4_1, Q8_0), or for the K types small integers (uint8, or int8 for Q6_K)
@@ -33,7 +34,8 @@ import numpy as np
 from . import file_rows, native
 
 F32 = jnp.float32
-LAYOUTS = ("q4", "q8")
+LAYOUTS = ("q4", "q8", "p8")
+PANEL_ROWS = 16
 
 
 @jax.tree_util.register_dataclass
@@ -92,8 +94,24 @@ def plain(w: QTensor) -> QTensor:
     return QTensor(w.values, scale, mins, w.layout, w.block, w.source)
 
 
+def rows_of_panels(w: QTensor) -> QTensor:
+    """A p8 matrix as the q8 one it holds (numpy, or inside jit): each panel's values,
+    scales and super entries back in row order, the values less the 32 held above them."""
+    n, k = w.values.shape
+
+    def rows(a):
+        entries = a.shape[-1]
+        return a.reshape(n // PANEL_ROWS, entries, PANEL_ROWS).transpose(0, 2, 1).reshape(n, entries)
+
+    v = w.values.reshape(n // PANEL_ROWS, k // 4, PANEL_ROWS, 4).transpose(0, 2, 1, 3).reshape(n, k)
+    values = (v.astype(np.int16) - 32).astype(np.int8)
+    return replace(w, values=values, scale=rows(w.scale), super_scale=rows(w.super_scale), layout="q8")
+
+
 def dequantize(w: QTensor, dtype=F32) -> jax.Array:
     """The float matrix [..., N, K], inside jitted code."""
+    if w.layout == "p8":
+        w = rows_of_panels(w)
     lead = w.values.shape[:-1]
     if w.layout == "q4":
         v = w.values.reshape(*lead, -1, 16)
@@ -108,6 +126,8 @@ def dequantize(w: QTensor, dtype=F32) -> jax.Array:
 
 
 def _xla_matmul(x: jax.Array, w: QTensor) -> jax.Array:
+    if w.layout == "p8":
+        w = rows_of_panels(w)
     if math.prod(x.shape[:-1]) == 1 and w.values.ndim == 2:
         return jax.lax.platform_dependent(x, w, cpu=_dequantized_dot, default=_reduced_row)
     return _dequantized_dot(x, w)
@@ -242,6 +262,8 @@ def take_rows(w, rows) -> jax.Array:
 
 def pick_rows(w: QTensor, rows) -> QTensor:
     """Those rows, in that order, still packed (a lookup, or a reordering at load)."""
+    if w.layout == "p8":
+        raise ValueError("a p8 matrix holds its rows in panels of 16: take rows of rows_of_panels(w)")
     return jax.tree.map(lambda a: a[rows], w)
 
 

@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from .config import ModelConfig
 from .errors import ModelFileError
 from .file_rows import FileRows
+from .panels import head_for
 from .quant import QRows, QTensor, join_rows, stack_rows
 from .sharding import place_leaf
 
@@ -114,6 +115,8 @@ def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, expe
     # runs at about half the bandwidth), so a tied model keeps only this copy; a
     # quantized one keeps its [V, d] rows, which the kernels read.
     head = _matrix(source, [("embed" if cfg.tie_embeddings else "lm_head", (cfg.vocab_size, d))], quantized)
+    if mesh is None:
+        head = head_for(head, cfg.x_bits, cfg.tie_embeddings)
     weights: dict = {
         "lm_head": put("lm_head", head, dtype),
         "final_norm": put("final_norm", _get(source, "final_norm", (d,)), f32),
@@ -193,6 +196,8 @@ def weight_formats(weights: dict) -> dict[str, dict]:
             fmt = f"{leaf.source} (the file's blocks)"
         else:
             fmt = leaf.source or leaf.layout if isinstance(leaf, (QTensor, QRows)) else str(np.dtype(leaf.dtype))
+            if isinstance(leaf, QTensor) and leaf.layout == "p8":
+                fmt += " in panels of 16 rows"
         group = groups.setdefault(name, {"formats": set(), "values": 0, "bytes": 0})
         group["formats"].add(fmt)
         group["values"] += int(np.prod(leaf.shape))

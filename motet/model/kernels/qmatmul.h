@@ -8,7 +8,9 @@
 
 namespace motet_qmatmul {
 
-enum Kind : int { Q4 = 0, Q8 = 1 };
+// P8: int8 values of six bits held as the integer pairs' panels of 16 rows
+// (panels_avx2.inc), which only the AVX2 kernels read.
+enum Kind : int { Q4 = 0, Q8 = 1, P8 = 2 };
 
 // Scales or mins kept in fewer bytes than floats, as the file keeps them, and widened a
 // unit's rows at a time (row_range in qmatmul_body.inc), so the loops read floats:

@@ -40,6 +40,7 @@ inline vf halves(const uint16_t* p) {
 #define MOTET_VF motet_qmatmul::avx2::vf
 #define MOTET_MATVEC_DOTS "matvec_avx2.inc"
 #define MOTET_MANY_ROWS "pairs_avx2.inc"
+#define MOTET_PANELS
 #include "qmatmul_body.inc"
 #include "attend_body.inc"
 #include "swiglu_body.inc"

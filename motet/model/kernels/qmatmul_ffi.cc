@@ -102,7 +102,8 @@ ffi::Error matrix_of(const Matrix& m, int64_t k, int64_t index, const char* what
   if (vd.size() < 2 || vd.size() > 3 || m.block <= 0) return ffi::Error::InvalidArgument(std::string(what) + ": bad ranks");
   stack = vd.size() == 3 ? vd[0] : 1;
   const int64_t n = vd[vd.size() - 2], row_bytes = m.kind == motet_qmatmul::Q4 ? k / 2 : k, blocks = k / m.block;
-  if (vd.back() != row_bytes || k % m.block != 0 || (m.kind == motet_qmatmul::Q4 && (m.block != 32 || !m.has_min)) ||
+  if (vd.back() != row_bytes || k % m.block != 0 || m.kind < 0 || m.kind > motet_qmatmul::P8 ||
+      (m.kind == motet_qmatmul::Q4 && (m.block != 32 || !m.has_min)) ||
       static_cast<int64_t>(m.scale.element_count()) != stack * n * blocks ||
       (m.has_min && m.mins.element_count() != m.scale.element_count()))
     return ffi::Error::InvalidArgument(bad);
@@ -116,6 +117,9 @@ ffi::Error matrix_of(const Matrix& m, int64_t k, int64_t index, const char* what
                                        "uint8 or int8 with float32 super entries");
   if ((w.packed_scale.super || w.packed_min.super) && blocks % m.group != 0)  // rows of whole groups
     return ffi::Error::InvalidArgument(bad);
+  if (m.kind == motet_qmatmul::P8 && (n % 16 || m.block != 16 || m.has_min || m.x_bits != 8 || m.group != 16 ||
+                                      w.packed_scale.form != motet_qmatmul::SIGNED_BYTES || stack != 1))
+    return ffi::Error::InvalidArgument(std::string(what) + ": p8 is one matrix of Q6_K blocks in 16-row panels, x in int8");
   return ffi::Error::Success();
 }
 
@@ -131,6 +135,8 @@ ffi::Error Product(ffi::ThreadPool& threads, ffi::Buffer<ffi::F32>& x, const Mat
   if (auto e = matrix_of(m, k, index, "qmatmul", w, stack); e.failure()) return e;
   if (static_cast<int64_t>(out->element_count()) != rows * w.n)
     return ffi::Error::InvalidArgument("qmatmul: shapes do not agree");
+  if (w.kind == motet_qmatmul::P8 && std::strcmp(chosen().name, "avx2") != 0)
+    return ffi::Error::InvalidArgument("qmatmul: p8 panels are read by the AVX2 kernels only");
   chosen().impl(w, x.typed_data(), rows, out->typed_data(), on_pool(threads));
   return ffi::Error::Success();
 }
@@ -185,12 +191,8 @@ ffi::Error MoeExperts(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi::Buf
       m.down.count != m.gate_up.count || m.down.first.n != d || m.down.first.k != f || m.gate_up.first.n % 2 ||
       out->element_count() != x.element_count() || m.gate_up.count < 1)
     return ffi::Error::InvalidArgument("moe_experts: shapes do not agree");
-  m.tokens = xd[0];
-  m.k = id[1];
-  m.x = x.typed_data();
-  m.ids = ids.typed_data();
-  m.weights = weights.typed_data();
-  m.out = out->typed_data();
+  m.tokens = xd[0], m.k = id[1], m.x = x.typed_data(), m.ids = ids.typed_data();
+  m.weights = weights.typed_data(), m.out = out->typed_data();
   motet_qmatmul::moe_experts(m, chosen().impl, chosen().swiglu, on_pool(threads));
   return ffi::Error::Success();
 }
@@ -279,7 +281,6 @@ ffi::Error AttendChunk(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> q, ffi::Bu
   chosen().attend_chunk(a, on_pool(threads));
   return ffi::Error::Success();
 }
-
 
 // The bindings' shared parts. A quantized matrix (Matrix): its five buffers, and its
 // attributes under `prefix`.

@@ -1,0 +1,96 @@
+"""The Q6_K LM head held as the AVX2 kernels' panels of 16 rows (quant.py's p8,
+panels.py) where x is rounded to int8: the file's values and scales reordered, the same
+bytes, products exact on x as rounded at any number of rows, and the row-major q8 back
+when x goes back to int16."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import jax
+import numpy as np
+import pytest
+from test_int8_activations import int8_reference, k_mix_file  # noqa: F401 (k_mix_file: a fixture)
+from test_quant import avx2, dequantize_host, random_blocks  # noqa: F401 (avx2: a fixture)
+from test_expert_tiers import long_prompt, resident_run
+
+from motet.model import load_model, native
+from motet.model.gguf_quants import REPACK
+from motet.model.panels import as_panels, takes_panels
+from motet.model.quant import pick_rows, qmatmul, rows_of_panels
+from motet.model.weights import weight_formats
+
+
+def q6_k(rows: int, cols: int, seed: int = 3):
+    return REPACK["Q6_K"](random_blocks("Q6_K", rows, cols, seed=seed))
+
+
+def test_panels_hold_the_same_values_and_scales_in_the_same_bytes():
+    w = q6_k(48, 512)
+    panels = as_panels(w)
+    assert (panels.layout, panels.x_bits, panels.values.dtype) == ("p8", 8, np.uint8)
+    assert panels.nbytes == w.nbytes and panels.shape == w.shape
+    back = rows_of_panels(panels)
+    for name in ("values", "scale", "super_scale"):
+        np.testing.assert_array_equal(np.asarray(getattr(back, name)), np.asarray(getattr(w, name)))
+    # panel 1's first dword is row 16's first four values, plus 32
+    np.testing.assert_array_equal(panels.values[16, :4], (w.values[16, :4].astype(np.int16) + 32).astype(np.uint8))
+    np.testing.assert_array_equal(panels.values[16, 4:8], (w.values[17, :4].astype(np.int16) + 32).astype(np.uint8))
+    np.testing.assert_array_equal(dequantize_host(back), dequantize_host(w))
+    # only one matrix of Q6_K blocks, of whole panels, is held so
+    assert takes_panels(w)
+    assert not takes_panels(q6_k(40, 512))
+    assert not takes_panels(REPACK["Q4_K"](random_blocks("Q4_K", 48, 512)))
+    assert not takes_panels(REPACK["Q8_0"](random_blocks("Q8_0", 48, 512)))
+    with pytest.raises(ValueError, match="holds its rows in panels of 16"):
+        pick_rows(panels, np.array([0, 3]))
+
+
+def test_panel_products_are_exact_on_x_as_rounded_at_any_number_of_rows(avx2):  # noqa: F811
+    """One row (a decode step), a few, a 16-row step and a prefill's many: each the
+    float64 product of x as the kernel rounds it; the XLA path (which reorders the
+    panels back) computes the unrounded product, off by that rounding."""
+    w = q6_k(96, 512)
+    panels = jax.device_put(as_panels(w))
+    rng = np.random.default_rng(5)
+    for m in (1, 2, 5, 7, 16, 45):
+        x = rng.standard_normal((m, 512)).astype(np.float32)
+        want = int8_reference(x, w)
+        largest = np.abs(want).max()
+        got = np.asarray(qmatmul(x, panels, use_native=True))
+        assert np.abs(got - want).max() / largest < 1e-5, m
+        exact = np.asarray(qmatmul(x, panels, use_native=False))
+        assert 1e-3 < np.abs(got - exact).max() / largest < 3e-2, m
+
+
+def test_the_kernels_refuse_panels_where_they_do_not_read_them(avx2):  # noqa: F811
+    panels = jax.device_put(as_panels(q6_k(32, 256)))
+    x = np.ones((1, 256), np.float32)
+    with pytest.raises(Exception, match="16-row panels, x in int8"):
+        qmatmul(x, replace(panels, x_bits=16), use_native=True).block_until_ready()
+    best = native.instruction_set()
+    assert native.select_instruction_set("base")
+    try:
+        with pytest.raises(Exception, match="p8 panels are read by the AVX2 kernels only"):
+            qmatmul(x, panels, use_native=True).block_until_ready()
+    finally:
+        native.select_instruction_set(best)
+
+
+def test_an_int8_load_holds_the_head_in_panels_and_int16_gives_rows_back(avx2, k_mix_file):  # noqa: F811
+    """The Q4_K_M-like file's Q6_K head: in panels with x in int8 (its prompt logits those
+    of the row-major head with x in int8, to float order), row-major again, bit for bit
+    int16's, when the model is set back to int16."""
+    path, vocab = k_mix_file
+    prompt = long_prompt("qwen3_moe", vocab)
+    int16, int8 = load_model(path), load_model(path, activations="int8")
+    head = int8.weights["lm_head"]
+    assert (head.layout, int16.weights["lm_head"].layout) == ("p8", "q8")
+    assert weight_formats(int8.weights)["lm_head"]["formats"] == ["Q6_K in panels of 16 rows"]
+    rows = replace(int8, weights={**int8.weights, "lm_head": replace(rows_of_panels(head), x_bits=8)})
+    got, want = resident_run(int8, prompt)[1][0], resident_run(rows, prompt)[1][0]
+    assert np.abs(got - want).max() / np.abs(want).max() < 3e-2
+    back = int8.with_settings(activations="int16")
+    assert back.weights["lm_head"].layout == "q8" and back.weights["layers"] is int8.weights["layers"]
+    np.testing.assert_array_equal(resident_run(back, prompt)[1][0], resident_run(int16, prompt)[1][0])
+    assert int16.with_settings(activations="int8").weights["lm_head"].layout == "p8"
