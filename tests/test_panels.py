@@ -63,6 +63,22 @@ def test_panel_products_are_exact_on_x_as_rounded_at_any_number_of_rows(avx2):  
         assert 1e-3 < np.abs(got - exact).max() / largest < 3e-2, m
 
 
+def test_a_stack_of_experts_in_panels_gives_each_experts_product(avx2):  # noqa: F811
+    """A MoE layer's Q6_K down projections, [E, N, K]: each expert's matrix in panels of
+    its own, read in place by the stacked product and by the experts' kernel."""
+    experts = [q6_k(32, 256, seed=e) for e in range(3)]
+    stack = jax.tree.map(lambda *leaves: np.stack(leaves), *experts)
+    panels = jax.device_put(as_panels(stack))
+    np.testing.assert_array_equal(np.asarray(rows_of_panels(panels).values), stack.values)
+    rng = np.random.default_rng(6)
+    for e, expert in enumerate(experts):
+        for m in (1, 16):
+            x = rng.standard_normal((m, 256)).astype(np.float32)
+            want = int8_reference(x, expert)
+            got = np.asarray(qmatmul(x, panels, use_native=True, index=np.int32(e)))
+            assert np.abs(got - want).max() / np.abs(want).max() < 1e-5, (e, m)
+
+
 def test_the_kernels_refuse_panels_where_they_do_not_read_them(avx2):  # noqa: F811
     panels = jax.device_put(as_panels(q6_k(32, 256)))
     x = np.ones((1, 256), np.float32)
@@ -77,20 +93,25 @@ def test_the_kernels_refuse_panels_where_they_do_not_read_them(avx2):  # noqa: F
         native.select_instruction_set(best)
 
 
-def test_an_int8_load_holds_the_head_in_panels_and_int16_gives_rows_back(avx2, k_mix_file):  # noqa: F811
-    """The Q4_K_M-like file's Q6_K head: in panels with x in int8 (its prompt logits those
-    of the row-major head with x in int8, to float order), row-major again, bit for bit
-    int16's, when the model is set back to int16."""
+def test_an_int8_load_holds_q6_k_in_panels_and_int16_gives_rows_back(avx2, k_mix_file):  # noqa: F811
+    """The Q4_K_M-like file's Q6_K matrices (the head, V, layer 0's experts' down
+    projections): in panels with x in int8, the prompt's logits within x's rounding of the
+    row-major head's (whose one-row dots take x in int16); row-major again, and bit for bit
+    int16's logits, when the model is set back to int16."""
     path, vocab = k_mix_file
     prompt = long_prompt("qwen3_moe", vocab)
     int16, int8 = load_model(path), load_model(path, activations="int8")
     head = int8.weights["lm_head"]
     assert (head.layout, int16.weights["lm_head"].layout) == ("p8", "q8")
-    assert weight_formats(int8.weights)["lm_head"]["formats"] == ["Q6_K in panels of 16 rows"]
+    layer = int8.weights["layers"][0]
+    assert (layer["experts_down"].layout, layer["wqkv"].pieces[-1].layout, layer["wo"].layout) == ("p8", "p8", "q4")
+    formats = weight_formats(int8.weights)
+    assert formats["lm_head"]["formats"] == ["Q6_K in panels of 16 rows"]
+    assert "Q4_K | Q6_K in panels of 16 rows" in formats["wqkv"]["formats"]
     rows = replace(int8, weights={**int8.weights, "lm_head": replace(rows_of_panels(head), x_bits=8)})
     got, want = resident_run(int8, prompt)[1][0], resident_run(rows, prompt)[1][0]
     assert np.abs(got - want).max() / np.abs(want).max() < 3e-2
     back = int8.with_settings(activations="int16")
-    assert back.weights["lm_head"].layout == "q8" and back.weights["layers"] is int8.weights["layers"]
+    assert back.weights["lm_head"].layout == "q8" and back.weights["layers"][0]["wo"] is int8.weights["layers"][0]["wo"]
     np.testing.assert_array_equal(resident_run(back, prompt)[1][0], resident_run(int16, prompt)[1][0])
     assert int16.with_settings(activations="int8").weights["lm_head"].layout == "p8"

@@ -97,13 +97,13 @@ def plain(w: QTensor) -> QTensor:
 def rows_of_panels(w: QTensor) -> QTensor:
     """A p8 matrix as the q8 one it holds (numpy, or inside jit): each panel's values,
     scales and super entries back in row order, the values less the 32 held above them."""
-    n, k = w.values.shape
+    *lead, n, k = w.values.shape
 
     def rows(a):
         entries = a.shape[-1]
-        return a.reshape(n // PANEL_ROWS, entries, PANEL_ROWS).transpose(0, 2, 1).reshape(n, entries)
+        return a.reshape(*lead, n // PANEL_ROWS, entries, PANEL_ROWS).swapaxes(-1, -2).reshape(*lead, n, entries)
 
-    v = w.values.reshape(n // PANEL_ROWS, k // 4, PANEL_ROWS, 4).transpose(0, 2, 1, 3).reshape(n, k)
+    v = w.values.reshape(*lead, n // PANEL_ROWS, k // 4, PANEL_ROWS, 4).swapaxes(-3, -2).reshape(*lead, n, k)
     values = (v.astype(np.int16) - 32).astype(np.int8)
     return replace(w, values=values, scale=rows(w.scale), super_scale=rows(w.super_scale), layout="q8")
 
@@ -262,7 +262,7 @@ def take_rows(w, rows) -> jax.Array:
 
 def pick_rows(w: QTensor, rows) -> QTensor:
     """Those rows, in that order, still packed (a lookup, or a reordering at load)."""
-    if w.layout == "p8":
+    if w.layout == "p8" and w.values.ndim == 2:  # a stack's experts are whole matrices
         raise ValueError("a p8 matrix holds its rows in panels of 16: take rows of rows_of_panels(w)")
     return jax.tree.map(lambda a: a[rows], w)
 

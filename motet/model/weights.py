@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from .config import ModelConfig
 from .errors import ModelFileError
 from .file_rows import FileRows
-from .panels import head_for
+from .panels import for_x_bits
 from .quant import QRows, QTensor, join_rows, stack_rows
 from .sharding import place_leaf
 
@@ -100,6 +100,8 @@ def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, expe
     if mesh is None:
         def put(name: str, array: QTensor | QRows | np.ndarray, dtype) -> jax.Array:
             if isinstance(array, (QTensor, QRows)):
+                if name != "embed" and not (name == "lm_head" and cfg.tie_embeddings):  # lookups take rows
+                    array = for_x_bits(array, cfg.x_bits)
                 return jax.device_put(array)
             return jnp.asarray(array, dtype=dtype)
     else:
@@ -115,8 +117,6 @@ def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, expe
     # runs at about half the bandwidth), so a tied model keeps only this copy; a
     # quantized one keeps its [V, d] rows, which the kernels read.
     head = _matrix(source, [("embed" if cfg.tie_embeddings else "lm_head", (cfg.vocab_size, d))], quantized)
-    if mesh is None:
-        head = head_for(head, cfg.x_bits, cfg.tie_embeddings)
     weights: dict = {
         "lm_head": put("lm_head", head, dtype),
         "final_norm": put("final_norm", _get(source, "final_norm", (d,)), f32),
@@ -187,6 +187,12 @@ def weight_bytes(weights: dict) -> int:
     return sum(x.nbytes for x in _leaves(weights))
 
 
+def _format(w: QTensor | QRows) -> str:
+    if isinstance(w, QRows):
+        return " | ".join(_format(p) for p in w.pieces)
+    return (w.source or w.layout) + (" in panels of 16 rows" if w.layout == "p8" else "")
+
+
 def weight_formats(weights: dict) -> dict[str, dict]:
     """Per tensor group (wqkv, wo, lm_head, ...): its formats, values and bytes."""
     groups: dict[str, dict] = {}
@@ -195,9 +201,7 @@ def weight_formats(weights: dict) -> dict[str, dict]:
         if isinstance(leaf, FileRows):
             fmt = f"{leaf.source} (the file's blocks)"
         else:
-            fmt = leaf.source or leaf.layout if isinstance(leaf, (QTensor, QRows)) else str(np.dtype(leaf.dtype))
-            if isinstance(leaf, QTensor) and leaf.layout == "p8":
-                fmt += " in panels of 16 rows"
+            fmt = _format(leaf) if isinstance(leaf, (QTensor, QRows)) else str(np.dtype(leaf.dtype))
         group = groups.setdefault(name, {"formats": set(), "values": 0, "bytes": 0})
         group["formats"].add(fmt)
         group["values"] += int(np.prod(leaf.shape))

@@ -118,8 +118,10 @@ ffi::Error matrix_of(const Matrix& m, int64_t k, int64_t index, const char* what
   if ((w.packed_scale.super || w.packed_min.super) && blocks % m.group != 0)  // rows of whole groups
     return ffi::Error::InvalidArgument(bad);
   if (m.kind == motet_qmatmul::P8 && (n % 16 || m.block != 16 || m.has_min || m.x_bits != 8 || m.group != 16 ||
-                                      w.packed_scale.form != motet_qmatmul::SIGNED_BYTES || stack != 1))
-    return ffi::Error::InvalidArgument(std::string(what) + ": p8 is one matrix of Q6_K blocks in 16-row panels, x in int8");
+                                      w.packed_scale.form != motet_qmatmul::SIGNED_BYTES))
+    return ffi::Error::InvalidArgument(std::string(what) + ": p8 is Q6_K blocks in 16-row panels, x in int8");
+  if (m.kind == motet_qmatmul::P8 && std::strcmp(chosen().name, "avx2") != 0)
+    return ffi::Error::InvalidArgument(std::string(what) + ": p8 panels are read by the AVX2 kernels only");
   return ffi::Error::Success();
 }
 
@@ -135,8 +137,6 @@ ffi::Error Product(ffi::ThreadPool& threads, ffi::Buffer<ffi::F32>& x, const Mat
   if (auto e = matrix_of(m, k, index, "qmatmul", w, stack); e.failure()) return e;
   if (static_cast<int64_t>(out->element_count()) != rows * w.n)
     return ffi::Error::InvalidArgument("qmatmul: shapes do not agree");
-  if (w.kind == motet_qmatmul::P8 && std::strcmp(chosen().name, "avx2") != 0)
-    return ffi::Error::InvalidArgument("qmatmul: p8 panels are read by the AVX2 kernels only");
   chosen().impl(w, x.typed_data(), rows, out->typed_data(), on_pool(threads));
   return ffi::Error::Success();
 }
