@@ -1,7 +1,7 @@
-"""The Q6_K LM head held as the AVX2 kernels' panels of 16 rows (quant.py's p8,
-panels.py) where x is rounded to int8: the file's values and scales reordered, the same
-bytes, products exact on x as rounded at any number of rows, and the row-major q8 back
-when x goes back to int16."""
+"""Q6_K and Q4_K matrices held as the AVX2 kernels' panels of 16 rows (p8 and p4:
+panel_layout.py, panels.py) where x is rounded to int8: the file's values, scales and
+mins reordered in the same bytes, products exact on x as rounded at any number of rows,
+and the row-major layouts back when x goes back to int16."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from test_expert_tiers import long_prompt, resident_run
 
 from motet.model import load_model, native
 from motet.model.gguf_quants import REPACK
-from motet.model.panels import as_panels, takes_panels
-from motet.model.quant import pick_rows, qmatmul, rows_of_panels
+from motet.model.panel_layout import as_panels, rows_of_panels
+from motet.model.panels import takes_panels
+from motet.model.quant import pick_rows, qmatmul
 from motet.model.weights import weight_formats
 
 
@@ -25,32 +26,47 @@ def q6_k(rows: int, cols: int, seed: int = 3):
     return REPACK["Q6_K"](random_blocks("Q6_K", rows, cols, seed=seed))
 
 
-def test_panels_hold_the_same_values_and_scales_in_the_same_bytes():
-    w = q6_k(48, 512)
+def q4_k(rows: int, cols: int, seed: int = 3):
+    return REPACK["Q4_K"](random_blocks("Q4_K", rows, cols, seed=seed))
+
+
+ARRAYS = ("values", "scale", "min", "super_scale", "super_min")
+
+
+@pytest.mark.parametrize("make, layout", [(q6_k, "p8"), (q4_k, "p4")])
+def test_panels_hold_the_same_values_and_scales_in_the_same_bytes(make, layout):
+    w = make(48, 512)
     panels = as_panels(w)
-    assert (panels.layout, panels.x_bits, panels.values.dtype) == ("p8", 8, np.uint8)
+    assert (panels.layout, panels.x_bits, panels.values.dtype) == (layout, 8, np.uint8)
     assert panels.nbytes == w.nbytes and panels.shape == w.shape
     back = rows_of_panels(panels)
-    for name in ("values", "scale", "super_scale"):
-        np.testing.assert_array_equal(np.asarray(getattr(back, name)), np.asarray(getattr(w, name)))
-    # panel 1's first dword is row 16's first four values, plus 32
-    np.testing.assert_array_equal(panels.values[16, :4], (w.values[16, :4].astype(np.int16) + 32).astype(np.uint8))
-    np.testing.assert_array_equal(panels.values[16, 4:8], (w.values[17, :4].astype(np.int16) + 32).astype(np.uint8))
+    for name in ARRAYS:
+        if getattr(w, name) is not None:
+            np.testing.assert_array_equal(np.asarray(getattr(back, name)), np.asarray(getattr(w, name)), name)
     np.testing.assert_array_equal(dequantize_host(back), dequantize_host(w))
-    # only one matrix of Q6_K blocks, of whole panels, is held so
-    assert takes_panels(w)
-    assert not takes_panels(q6_k(40, 512))
-    assert not takes_panels(REPACK["Q4_K"](random_blocks("Q4_K", 48, 512)))
-    assert not takes_panels(REPACK["Q8_0"](random_blocks("Q8_0", 48, 512)))
+    assert takes_panels(w) and not takes_panels(make(40, 512))  # whole panels only
     with pytest.raises(ValueError, match="holds its rows in panels of 16"):
         pick_rows(panels, np.array([0, 3]))
 
 
-def test_panel_products_are_exact_on_x_as_rounded_at_any_number_of_rows(avx2):  # noqa: F811
+def test_where_panels_put_each_value():
+    w, v = q6_k(48, 512), q4_k(48, 512)
+    p8, p4 = as_panels(w).values, as_panels(v).values
+    # p8: panel 1's first dwords are rows 16 and 17's first four values, plus 32
+    np.testing.assert_array_equal(p8[16, :8], (w.values[16:18, :4].astype(np.int16) + 32).astype(np.uint8).ravel())
+    # p4: a block's first 32 bytes are columns 0-7's values 0-3 (low nibbles) and 16-19
+    # (high): a q4 block's bytes 0-3 hold both already
+    np.testing.assert_array_equal(p4[0, :32], v.values[:8, :4].ravel())
+    assert not takes_panels(REPACK["Q8_0"](random_blocks("Q8_0", 48, 512)))
+    assert not takes_panels(REPACK["Q4_1"](random_blocks("Q4_1", 48, 512)))
+
+
+@pytest.mark.parametrize("make", [q6_k, q4_k])
+def test_panel_products_are_exact_on_x_as_rounded_at_any_number_of_rows(avx2, make):  # noqa: F811
     """One row (a decode step), a few, a 16-row step and a prefill's many: each the
     float64 product of x as the kernel rounds it; the XLA path (which reorders the
     panels back) computes the unrounded product, off by that rounding."""
-    w = q6_k(96, 512)
+    w = make(96, 512)
     panels = jax.device_put(as_panels(w))
     rng = np.random.default_rng(5)
     for m in (1, 2, 5, 7, 16, 45):
@@ -63,10 +79,11 @@ def test_panel_products_are_exact_on_x_as_rounded_at_any_number_of_rows(avx2):  
         assert 1e-3 < np.abs(got - exact).max() / largest < 3e-2, m
 
 
-def test_a_stack_of_experts_in_panels_gives_each_experts_product(avx2):  # noqa: F811
-    """A MoE layer's Q6_K down projections, [E, N, K]: each expert's matrix in panels of
-    its own, read in place by the stacked product and by the experts' kernel."""
-    experts = [q6_k(32, 256, seed=e) for e in range(3)]
+@pytest.mark.parametrize("make", [q6_k, q4_k])
+def test_a_stack_of_experts_in_panels_gives_each_experts_product(avx2, make):  # noqa: F811
+    """A MoE layer's experts, [E, N, K]: each expert's matrix in panels of its own, read
+    in place by the stacked product (and likewise by the experts' kernel)."""
+    experts = [make(32, 256, seed=e) for e in range(3)]
     stack = jax.tree.map(lambda *leaves: np.stack(leaves), *experts)
     panels = jax.device_put(as_panels(stack))
     np.testing.assert_array_equal(np.asarray(rows_of_panels(panels).values), stack.values)
@@ -87,7 +104,7 @@ def test_the_kernels_refuse_panels_where_they_do_not_read_them(avx2):  # noqa: F
     best = native.instruction_set()
     assert native.select_instruction_set("base")
     try:
-        with pytest.raises(Exception, match="p8 panels are read by the AVX2 kernels only"):
+        with pytest.raises(Exception, match="panels are read by the AVX2 kernels only"):
             qmatmul(x, panels, use_native=True).block_until_ready()
     finally:
         native.select_instruction_set(best)
@@ -95,23 +112,27 @@ def test_the_kernels_refuse_panels_where_they_do_not_read_them(avx2):  # noqa: F
 
 def test_an_int8_load_holds_q6_k_in_panels_and_int16_gives_rows_back(avx2, k_mix_file):  # noqa: F811
     """The Q4_K_M-like file's Q6_K matrices (the head, V, layer 0's experts' down
-    projections): in panels with x in int8, the prompt's logits within x's rounding of the
-    row-major head's (whose one-row dots take x in int16); row-major again, and bit for bit
-    int16's logits, when the model is set back to int16."""
+    projections) and Q4_K ones (the rest but the embedding): in panels with x in int8, the
+    prompt's logits within x's rounding of the row-major head's (whose one-row dots take
+    x in int16); row-major again, and bit for bit int16's logits, when the model is set
+    back to int16."""
     path, vocab = k_mix_file
     prompt = long_prompt("qwen3_moe", vocab)
     int16, int8 = load_model(path), load_model(path, activations="int8")
     head = int8.weights["lm_head"]
     assert (head.layout, int16.weights["lm_head"].layout) == ("p8", "q8")
     layer = int8.weights["layers"][0]
-    assert (layer["experts_down"].layout, layer["wqkv"].pieces[-1].layout, layer["wo"].layout) == ("p8", "p8", "q4")
+    assert [layer[name].layout for name in ("experts_down", "experts_gate_up", "wo")] == ["p8", "p4", "p4"]
+    assert [p.layout for p in layer["wqkv"].pieces] == ["p4", "p8"]
     formats = weight_formats(int8.weights)
     assert formats["lm_head"]["formats"] == ["Q6_K in panels of 16 rows"]
-    assert "Q4_K | Q6_K in panels of 16 rows" in formats["wqkv"]["formats"]
+    assert "Q4_K in panels of 16 rows | Q6_K in panels of 16 rows" in formats["wqkv"]["formats"]
+    assert formats["embed"]["formats"] == ["Q4_K (the file's blocks)"]
     rows = replace(int8, weights={**int8.weights, "lm_head": replace(rows_of_panels(head), x_bits=8)})
     got, want = resident_run(int8, prompt)[1][0], resident_run(rows, prompt)[1][0]
     assert np.abs(got - want).max() / np.abs(want).max() < 3e-2
     back = int8.with_settings(activations="int16")
-    assert back.weights["lm_head"].layout == "q8" and back.weights["layers"][0]["wo"] is int8.weights["layers"][0]["wo"]
+    assert back.weights["lm_head"].layout == "q8" and back.weights["layers"][0]["wo"].layout == "q4"
+    assert back.weights["final_norm"] is int8.weights["final_norm"]
     np.testing.assert_array_equal(resident_run(back, prompt)[1][0], resident_run(int16, prompt)[1][0])
     assert int16.with_settings(activations="int8").weights["lm_head"].layout == "p8"

@@ -1,14 +1,14 @@
-"""Q6_K matrices held as the AVX2 kernels' panels (quant.py's p8 layout), where x is
-rounded to int8.
+"""Q6_K and Q4_K matrices held as the AVX2 kernels' panels (panel_layout.py's p8 and
+p4), where x is rounded to int8.
 
 The integer pairs read a matrix 16 rows at a time, four values of each row a dword
 (kernels/pairs_bytes_avx2.inc). Built from row-major bytes on every call, those panels
 took a fifth of the Q6_K head's 16-row product, and the one-row dots widen every byte
 to int16; held that way from the load, one `vpmaddubsw` takes 32 of the file's values
-as they lie, at one row of x as at many (kernels/panels_avx2.inc). So every Q6_K matrix
-is held so where x is int8: the head, V, and the experts' down projections of a Q4_K_M
-file. The values and scales are the file's, reordered, and the bytes held do not
-change. No other kernel reads panels; the XLA path puts the rows back in order.
+as they lie, at one row of x as at many (kernels/panels_avx2.inc). So every Q6_K and
+Q4_K matrix is held so where x is int8: all but the embedding of a Q4_K_M file. The
+values, scales and mins are the file's, reordered, and the bytes held do not change.
+No other kernel reads panels; the XLA path puts the rows back in order.
 """
 
 from __future__ import annotations
@@ -19,57 +19,42 @@ import jax
 import numpy as np
 
 from . import native
-from .quant import PANEL_ROWS, QTensor, rows_of_panels
+from .panel_layout import PANEL_ROWS, PANELS, as_panels, rows_of_panels
+from .quant import QTensor
 
 
 def kernels_read_panels() -> bool:
-    """Whether this process's products go to kernels that read p8: AVX2's, on the CPU."""
+    """Whether this process's products go to kernels that read panels: AVX2's, on the CPU."""
     return jax.default_backend() == "cpu" and native.instruction_set() == "avx2"
 
 
 def takes_panels(w) -> bool:
-    """Whether w can be held as p8: a matrix, or a stack of experts' matrices, of Q6_K
-    blocks (int8 scales per 16 values, a float per 256) in whole panels."""
-    return (isinstance(w, QTensor) and w.layout == "q8" and w.source == "Q6_K" and w.block == 16
-            and w.group == 16 and w.min is None and w.super_scale is not None
-            and w.values.shape[-2] % PANEL_ROWS == 0)
-
-
-def as_panels(w: QTensor) -> QTensor:
-    """w (takes_panels) on the host as p8: panel p of a matrix is its rows 16p to 16p + 15,
-    its values [K/4][16] dwords of four values plus 32 (unsigned), its scales [K/16][16]
-    and super entries [K/256][16], each array keeping w's shape."""
-    values = np.asarray(w.values)
-    *lead, n, k = values.shape
-
-    def panels(a):
-        a = np.asarray(a)
-        entries = a.shape[-1]
-        grouped = a.reshape(*lead, n // PANEL_ROWS, PANEL_ROWS, entries).swapaxes(-1, -2)
-        return np.ascontiguousarray(grouped).reshape(*lead, n, entries)
-
-    grouped = values.view(np.uint8).reshape(*lead, n // PANEL_ROWS, PANEL_ROWS, k // 4, 4).swapaxes(-3, -2)
-    lifted = np.ascontiguousarray(grouped).reshape(*lead, n, k)
-    lifted += np.uint8(32)  # six-bit values [-32, 31] as bytes [0, 63]
-    return replace(w, values=lifted, scale=panels(w.scale), super_scale=panels(w.super_scale), layout="p8", x_bits=8)
+    """Whether w can be held in panels: a matrix, or a stack of experts' matrices, in whole
+    panels of Q6_K blocks (p8: int8 scales per 16 values, a float per 256) or of Q4_K
+    ones (p4: byte scales and mins per 32, a float each per 256)."""
+    if not isinstance(w, QTensor) or w.values.shape[-2] % PANEL_ROWS or w.super_scale is None:
+        return False
+    if w.layout == "q8":
+        return w.source == "Q6_K" and w.block == 16 and w.group == 16 and w.min is None
+    return w.layout == "q4" and w.source == "Q4_K" and w.group == 8 and w.super_min is not None
 
 
 def _arranged(w, panels: bool):
-    """One leaf as the products read it fastest: p8 where panels are read and it takes
-    them, row-major again (x in int16, as loaded) where they are not; host arrays where
+    """One leaf as the products read it fastest: in panels where they are read and it
+    takes them, row-major again (x in int16, as loaded) where they are not; host arrays where
     it changes, else w itself."""
     if not isinstance(w, QTensor):
         return w
     if panels and takes_panels(w):
         return as_panels(w)
-    if not panels and w.layout == "p8":
+    if not panels and w.layout in PANELS:
         return replace(jax.tree.map(np.asarray, rows_of_panels(w)), x_bits=16)
     return w
 
 
 def for_x_bits(tree, x_bits: int):
     """The QTensors of a pytree (a QTensor, a QRows' pieces) as products with x in
-    `x_bits` read them here: every Q6_K matrix in panels where x is int8 and the kernels
+    `x_bits` read them here: Q6_K and Q4_K matrices in panels where x is int8 and the kernels
     read panels (not the embedding, whose lookups take rows: the caller leaves it out)."""
     panels = x_bits == 8 and kernels_read_panels()
     return jax.tree.map(lambda w: _arranged(w, panels), tree, is_leaf=lambda t: isinstance(t, QTensor))

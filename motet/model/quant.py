@@ -6,7 +6,8 @@ them), kept as one of two layouts:
   q4  values uint8 [..., N, K/2]: in each block of 32, byte i holds value i in its low
       nibble and value i + 16 in its high one; block 32
   q8  values int8 [..., N, K]; block 16 or 32
-  p8  a q8 matrix of Q6_K blocks as the AVX2 kernels' panels of 16 rows (panels.py)
+  p8  a q8 matrix of Q6_K blocks as the AVX2 kernels' panels of 16 rows, and p4 a q4
+      one of Q4_K blocks (panel_layout.py; panels.py holds them so where x is int8)
 with scale [..., N, K/block] and, where the format has one, min likewise: a weight is
 q · scale + min. Scales and mins are as the file keeps them, so no value changes:
 float16 (Q4_0, Q4_1, Q8_0), or for the K types small integers (uint8, or int8 for Q6_K)
@@ -32,10 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import file_rows, native
+from .panel_layout import PANELS, rows_of_panels
 
 F32 = jnp.float32
-LAYOUTS = ("q4", "q8", "p8")
-PANEL_ROWS = 16
+LAYOUTS = ("q4", "q8", *PANELS)
 
 
 @jax.tree_util.register_dataclass
@@ -94,23 +95,9 @@ def plain(w: QTensor) -> QTensor:
     return QTensor(w.values, scale, mins, w.layout, w.block, w.source)
 
 
-def rows_of_panels(w: QTensor) -> QTensor:
-    """A p8 matrix as the q8 one it holds (numpy, or inside jit): each panel's values,
-    scales and super entries back in row order, the values less the 32 held above them."""
-    *lead, n, k = w.values.shape
-
-    def rows(a):
-        entries = a.shape[-1]
-        return a.reshape(*lead, n // PANEL_ROWS, entries, PANEL_ROWS).swapaxes(-1, -2).reshape(*lead, n, entries)
-
-    v = w.values.reshape(*lead, n // PANEL_ROWS, k // 4, PANEL_ROWS, 4).swapaxes(-3, -2).reshape(*lead, n, k)
-    values = (v.astype(np.int16) - 32).astype(np.int8)
-    return replace(w, values=values, scale=rows(w.scale), super_scale=rows(w.super_scale), layout="q8")
-
-
 def dequantize(w: QTensor, dtype=F32) -> jax.Array:
     """The float matrix [..., N, K], inside jitted code."""
-    if w.layout == "p8":
+    if w.layout in PANELS:
         w = rows_of_panels(w)
     lead = w.values.shape[:-1]
     if w.layout == "q4":
@@ -126,7 +113,7 @@ def dequantize(w: QTensor, dtype=F32) -> jax.Array:
 
 
 def _xla_matmul(x: jax.Array, w: QTensor) -> jax.Array:
-    if w.layout == "p8":
+    if w.layout in PANELS:
         w = rows_of_panels(w)
     if math.prod(x.shape[:-1]) == 1 and w.values.ndim == 2:
         return jax.lax.platform_dependent(x, w, cpu=_dequantized_dot, default=_reduced_row)
@@ -262,8 +249,8 @@ def take_rows(w, rows) -> jax.Array:
 
 def pick_rows(w: QTensor, rows) -> QTensor:
     """Those rows, in that order, still packed (a lookup, or a reordering at load)."""
-    if w.layout == "p8" and w.values.ndim == 2:  # a stack's experts are whole matrices
-        raise ValueError("a p8 matrix holds its rows in panels of 16: take rows of rows_of_panels(w)")
+    if w.layout in PANELS and w.values.ndim == 2:  # a stack's experts are whole matrices
+        raise ValueError(f"a {w.layout} matrix holds its rows in panels of 16: take rows of rows_of_panels(w)")
     return jax.tree.map(lambda a: a[rows], w)
 
 

@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from .config import ModelConfig
 from .errors import ModelFileError
 from .file_rows import FileRows
+from .panel_layout import PANELS
 from .panels import for_x_bits
 from .quant import QRows, QTensor, join_rows, stack_rows
 from .sharding import place_leaf
@@ -190,7 +191,7 @@ def weight_bytes(weights: dict) -> int:
 def _format(w: QTensor | QRows) -> str:
     if isinstance(w, QRows):
         return " | ".join(_format(p) for p in w.pieces)
-    return (w.source or w.layout) + (" in panels of 16 rows" if w.layout == "p8" else "")
+    return (w.source or w.layout) + (" in panels of 16 rows" if w.layout in PANELS else "")
 
 
 def weight_formats(weights: dict) -> dict[str, dict]:

@@ -8,9 +8,10 @@
 
 namespace motet_qmatmul {
 
-// P8: int8 values of six bits held as the integer pairs' panels of 16 rows
-// (panels_avx2.inc), which only the AVX2 kernels read.
-enum Kind : int { Q4 = 0, Q8 = 1, P8 = 2 };
+// P8 and P4: Q6_K's six-bit values and Q4_K's 4-bit ones held as the integer pairs'
+// panels of 16 rows (panels_avx2.inc), which only the AVX2 kernels read.
+enum Kind : int { Q4 = 0, Q8 = 1, P8 = 2, P4 = 3 };
+constexpr bool four_bits(int kind) { return kind == Q4 || kind == P4; }
 
 // Scales or mins kept in fewer bytes than floats, as the file keeps them, and widened a
 // unit's rows at a time (row_range in qmatmul_body.inc), so the loops read floats:
@@ -84,6 +85,18 @@ struct QWeights {
   int x_bits = 16;
 };
 
+// Why w (P8 or P4) is not what panels_avx2.inc reads, or null: whole panels of Q6_K
+// blocks (int8 scales, a super entry per 16) or Q4_K ones (byte scales and mins, one per
+// 8), x in int8.
+inline const char* panels_unfit(const QWeights& w) {
+  const bool p4 = w.kind == P4;
+  const int form = p4 ? BYTES : SIGNED_BYTES;
+  if (w.n % 16 || w.x_bits != 8 || w.block != (p4 ? 32 : 16) || w.packed_scale.form != form ||
+      w.packed_scale.group != (p4 ? 8 : 16) || (p4 ? w.packed_min.form != form : w.packed_min.form || w.min))
+    return "p8 and p4 are Q6_K and Q4_K blocks in 16-row panels, x in int8";
+  return nullptr;
+}
+
 // Runs task(arg, unit) once for every unit in [0, units), on as many threads as it has,
 // and returns when all have run (qmatmul_ffi.cc: XLA's own intra-op threads). `threads`
 // take units, the caller among them: a product cuts a large matrix into a few units a
@@ -148,7 +161,7 @@ struct QStack {
   QWeights first;
   int64_t count;
   QWeights matrix(int64_t e) const {
-    const int64_t row_bytes = first.kind == Q4 ? first.k / 2 : first.k, blocks = first.k / first.block;
+    const int64_t row_bytes = four_bits(first.kind) ? first.k / 2 : first.k, blocks = first.k / first.block;
     QWeights w = first;
     const int64_t scales = e * first.n * blocks;
     w.values += e * first.n * row_bytes;

@@ -101,8 +101,8 @@ ffi::Error matrix_of(const Matrix& m, int64_t k, int64_t index, const char* what
   const std::string bad = std::string(what) + ": shapes do not agree";
   if (vd.size() < 2 || vd.size() > 3 || m.block <= 0) return ffi::Error::InvalidArgument(std::string(what) + ": bad ranks");
   stack = vd.size() == 3 ? vd[0] : 1;
-  const int64_t n = vd[vd.size() - 2], row_bytes = m.kind == motet_qmatmul::Q4 ? k / 2 : k, blocks = k / m.block;
-  if (vd.back() != row_bytes || k % m.block != 0 || m.kind < 0 || m.kind > motet_qmatmul::P8 ||
+  const int64_t n = vd[vd.size() - 2], row_bytes = motet_qmatmul::four_bits(m.kind) ? k / 2 : k, blocks = k / m.block;
+  if (vd.back() != row_bytes || k % m.block != 0 || m.kind < 0 || m.kind > motet_qmatmul::P4 ||
       (m.kind == motet_qmatmul::Q4 && (m.block != 32 || !m.has_min)) ||
       static_cast<int64_t>(m.scale.element_count()) != stack * n * blocks ||
       (m.has_min && m.mins.element_count() != m.scale.element_count()))
@@ -117,11 +117,11 @@ ffi::Error matrix_of(const Matrix& m, int64_t k, int64_t index, const char* what
                                        "uint8 or int8 with float32 super entries");
   if ((w.packed_scale.super || w.packed_min.super) && blocks % m.group != 0)  // rows of whole groups
     return ffi::Error::InvalidArgument(bad);
-  if (m.kind == motet_qmatmul::P8 && (n % 16 || m.block != 16 || m.has_min || m.x_bits != 8 || m.group != 16 ||
-                                      w.packed_scale.form != motet_qmatmul::SIGNED_BYTES))
-    return ffi::Error::InvalidArgument(std::string(what) + ": p8 is Q6_K blocks in 16-row panels, x in int8");
-  if (m.kind == motet_qmatmul::P8 && std::strcmp(chosen().name, "avx2") != 0)
-    return ffi::Error::InvalidArgument(std::string(what) + ": p8 panels are read by the AVX2 kernels only");
+  if (w.kind == motet_qmatmul::P8 || w.kind == motet_qmatmul::P4) {
+    const char* unfit = motet_qmatmul::panels_unfit(w);
+    if (!unfit && std::strcmp(chosen().name, "avx2") != 0) unfit = "panels are read by the AVX2 kernels only";
+    if (unfit) return ffi::Error::InvalidArgument(std::string(what) + ": " + unfit);
+  }
   return ffi::Error::Success();
 }
 
@@ -164,7 +164,7 @@ ffi::Error QMatmulStacked(ffi::ThreadPool threads, ffi::Buffer<ffi::F32> x, ffi:
 ffi::Error stack_of(const Matrix& m, motet_qmatmul::QStack& stack) {
   const auto vd = m.values.dimensions();
   if (vd.size() != 3) return ffi::Error::InvalidArgument("moe_experts: bad stack ranks");
-  const int64_t k = m.kind == motet_qmatmul::Q4 ? vd[2] * 2 : vd[2];
+  const int64_t k = motet_qmatmul::four_bits(m.kind) ? vd[2] * 2 : vd[2];
   return matrix_of(m, k, 0, "moe_experts", stack.first, stack.count);
 }
 

@@ -1,0 +1,79 @@
+"""The panel layouts (quant.py's p8 and p4): a matrix's rows 16 at a time, each panel's
+values, scales, mins and super entries reordered as the AVX2 kernels read them
+(kernels/panels_avx2.inc), every array keeping the row-major form's shape and bytes, so
+whole panels of rows (and a stack's experts) slice as rows do. panels.py says where
+they are held."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+PANELS = ("p8", "p4")
+PANEL_ROWS = 16
+LAYOUT_OF = {"q8": "p8", "q4": "p4"}
+
+
+def _panel_order(a, lead, n):
+    """Entries [..., n, E] (scales, mins, super entries) as [..., panel][E][16]."""
+    if a is None:
+        return None
+    a = np.asarray(a)
+    entries = a.shape[-1]
+    grouped = a.reshape(*lead, n // PANEL_ROWS, PANEL_ROWS, entries).swapaxes(-1, -2)
+    return np.ascontiguousarray(grouped).reshape(*lead, n, entries)
+
+
+def as_panels(w):
+    """A q8 matrix of Q6_K blocks (or a stack of them) as p8, or a q4 one of Q4_K blocks
+    as p4, on the host. Panel p is rows 16p to 16p + 15:
+      p8  values [K/4][16] dwords, four values of a row plus 32 (as unsigned bytes)
+      p4  values a block of 32 at a time, [j 4][h 2][column 8][4] bytes: quad j (values 4j
+          to 4j + 3) of columns 8h to 8h + 7 in the low nibbles, quad j + 4 in the high
+    and scales, mins [K/block][16] and super entries [K/block/group][16]."""
+    values = np.asarray(w.values)
+    *lead, n, row_bytes = values.shape
+    panels = n // PANEL_ROWS
+    if w.layout == "q8":
+        grouped = values.view(np.uint8).reshape(*lead, panels, PANEL_ROWS, row_bytes // 4, 4).swapaxes(-3, -2)
+        held = np.ascontiguousarray(grouped).reshape(*lead, n, row_bytes)
+        held += np.uint8(32)  # six-bit values [-32, 31] as bytes [0, 63]
+    else:  # a q4 block's byte i: value i low, value i + 16 high
+        k = 2 * row_bytes
+        v = values.reshape(*lead, panels, PANEL_ROWS, k // 32, 1, 16)
+        q = np.concatenate([v & 15, v >> 4], axis=-2).reshape(*lead, panels, 2, 8, k // 32, 2, 4, 4)
+        # [panels, h, column, block, half, j, value] to [panels, block, j, h, column, value, half]
+        q = q.transpose(*range(len(lead)), *(len(lead) + i for i in (0, 3, 5, 1, 2, 6, 4)))
+        q = np.ascontiguousarray(q)
+        held = (q[..., 0] | (q[..., 1] << 4)).reshape(*lead, n, row_bytes)
+    return replace(w, values=held, scale=_panel_order(w.scale, lead, n), min=_panel_order(w.min, lead, n),
+                   super_scale=_panel_order(w.super_scale, lead, n), super_min=_panel_order(w.super_min, lead, n),
+                   layout=LAYOUT_OF[w.layout], x_bits=8)
+
+
+def rows_of_panels(w):
+    """A p8 or p4 matrix as the q8 or q4 one it holds (numpy, or inside jit): each panel's
+    values, scales, mins and super entries back in row order."""
+    *lead, n, k = w.values.shape
+    panels = n // PANEL_ROWS
+
+    def rows(a):
+        if a is None:
+            return None
+        entries = a.shape[-1]
+        return a.reshape(*lead, panels, entries, PANEL_ROWS).swapaxes(-1, -2).reshape(*lead, n, entries)
+
+    if w.layout == "p8":  # [K/4][16] dwords of four values plus 32
+        v = w.values.reshape(*lead, panels, k // 4, PANEL_ROWS, 4).swapaxes(-3, -2).reshape(*lead, n, k)
+        values, layout = (v.astype(np.int16) - 32).astype(np.int8), "q8"
+    else:  # a block of 32: [j 4][h 2][column 8][4] bytes, quad j low, quad j + 4 high
+        blocks = k // 16  # k is bytes here, two values each
+        v = w.values.reshape(*lead, panels, blocks, 4, 2, 8, 4)
+        q = (v[..., None] >> np.array([0, 4], np.uint8)) & 15
+        # [panels, block, j, h, column, value, half] to [panels, h, column, block, half, j, value]
+        q = q.transpose(*range(len(lead)), *(len(lead) + i for i in (0, 3, 4, 1, 6, 2, 5)))
+        q = q.reshape(*lead, n, blocks, 2, 16)
+        values, layout = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(*lead, n, k), "q4"
+    return replace(w, values=values, scale=rows(w.scale), min=rows(w.min), super_scale=rows(w.super_scale),
+                   super_min=rows(w.super_min), layout=layout)
