@@ -1,7 +1,8 @@
 """How far each engine path that quantizes activations lands from the float32 reference,
 on the same GGUF and the same token ids: motet's one-row kernel (x as int16 per 32; with
 AVX-512 VNNI or AVX2, its prefill's products too, as integer pairs; with --activations int8, AVX2's
-prefill products over 4-bit weights take x as int8 per 32) and
+products over 4-bit and six-bit weights take x as int8 per 32, a decode token's and a
+prefill's) and
 llama.cpp's CPU dot products (x as Q8_0/Q8_1/Q8_K), with the float-activation paths beside
 them. Not part of CI.
 
@@ -168,7 +169,7 @@ def main(argv=None) -> int:
     ref = ref_model.logits(ids)  # the float32 reference: one full causal forward
     ref_decode = motet_decode_logits(ref_model, ids)  # motet float32, one token at a time
     ours = {"decode": motet_decode_logits(model, ids), "prefill": model.logits(ids),
-            "int8 prefill": int8_model.logits(ids)}
+            "int8 decode": motet_decode_logits(int8_model, ids), "int8 prefill": int8_model.logits(ids)}
     # With AVX-512 VNNI or AVX2 a prefill's products take x as int16 pairs; float panels
     # (plain AVX-512's, or the baseline's) are scored beside them.
     isa = native.instruction_set()
@@ -184,6 +185,7 @@ def main(argv=None) -> int:
 
     vs_ref = {"motet decode (1-row kernel, int16 x)": measures(ours["decode"], ref),
               prefill_label: measures(ours["prefill"], ref),
+              f"motet decode, --activations int8 ({isa})": measures(ours["int8 decode"], ref),
               f"motet prefill, --activations int8 ({isa})": measures(ours["int8 prefill"], ref)}
     if pairs:
         vs_ref[f"motet prefill (float x, {floats_isa})"] = measures(ours["float prefill"], ref)

@@ -12,13 +12,15 @@ import numpy as np
 import pytest
 from test_int8_activations import int8_reference, k_mix_file  # noqa: F401 (k_mix_file: a fixture)
 from test_quant import avx2, dequantize_host, random_blocks  # noqa: F401 (avx2: a fixture)
-from test_expert_tiers import long_prompt, resident_run
+from test_expert_tiers import long_prompt, resident_run, tiered_run
 
 from motet.model import load_model, native
+from motet.model.expert_pool import ExpertPool
 from motet.model.gguf_quants import REPACK
 from motet.model.panel_layout import as_panels, rows_of_panels
 from motet.model.panels import takes_panels
 from motet.model.quant import pick_rows, qmatmul
+from motet.model.tiered_model import TieredModel
 from motet.model.weights import weight_formats
 
 
@@ -136,3 +138,23 @@ def test_an_int8_load_holds_q6_k_in_panels_and_int16_gives_rows_back(avx2, k_mix
     assert back.weights["final_norm"] is int8.weights["final_norm"]
     np.testing.assert_array_equal(resident_run(back, prompt)[1][0], resident_run(int16, prompt)[1][0])
     assert int16.with_settings(activations="int8").weights["lm_head"].layout == "p8"
+
+
+def test_a_tiered_pool_holds_its_experts_in_panels_where_x_is_int8(avx2, k_mix_file):  # noqa: F811
+    """Experts read from the file one by one into RAM and a pool of 2 slots: Q4_K's and
+    Q6_K's in panels as the resident model holds them (Q5_K's stay rows), the same bytes,
+    and the resident model's greedy tokens."""
+    path, vocab = k_mix_file
+    prompt = long_prompt("qwen3_moe", vocab)
+    resident = load_model(path, activations="int8")
+    lazy = load_model(path, lazy_experts=True, activations="int8")
+    pools = {bits: ExpertPool(lazy.expert_reader, sum(lazy.config.moe_layers), lazy.config.n_experts, 2, 2,
+                              x_bits=bits) for bits in (8, 16)}
+    layouts = [[w.layout for w in layer] for layer in pools[8].pools]
+    assert layouts[0] == ["p4", "p8"] and layouts[1] == ["p4", "q8"], layouts
+    assert [[w.layout for w in layer] for layer in pools[16].pools] == [["q4", "q8"], ["q4", "q8"]]
+    np.testing.assert_array_equal(pools[8].expert_bytes, pools[16].expert_bytes)
+    tokens, logits, _ = tiered_run(TieredModel(lazy, pools[8]), prompt)
+    want_tokens, want, _ = resident_run(resident, prompt)
+    assert tokens == want_tokens
+    assert np.abs(logits - want).max() / np.abs(want).max() < 1e-4
