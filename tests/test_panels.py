@@ -10,9 +10,9 @@ from dataclasses import replace
 import jax
 import numpy as np
 import pytest
+from test_expert_tiers import long_prompt, resident_run, tiered_run
 from test_int8_activations import int8_reference, k_mix_file  # noqa: F401 (k_mix_file: a fixture)
 from test_quant import avx2, dequantize_host, random_blocks  # noqa: F401 (avx2: a fixture)
-from test_expert_tiers import long_prompt, resident_run, tiered_run
 
 from motet.model import load_model, native
 from motet.model.expert_pool import ExpertPool
