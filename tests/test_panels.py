@@ -1,4 +1,4 @@
-"""Q6_K and Q4_K matrices held as the AVX2 kernels' panels of 16 rows (p8 and p4:
+"""Q6_K, Q5_K and Q4_K matrices held as the AVX2 kernels' panels of 16 rows (p8, p4:
 panel_layout.py, panels.py) where x is rounded to int8: the file's values, scales and
 mins reordered in the same bytes, products exact on x as rounded at any number of rows,
 and the row-major layouts back when x goes back to int16."""
@@ -28,6 +28,10 @@ def q6_k(rows: int, cols: int, seed: int = 3):
     return REPACK["Q6_K"](random_blocks("Q6_K", rows, cols, seed=seed))
 
 
+def q5_k(rows: int, cols: int, seed: int = 3):
+    return REPACK["Q5_K"](random_blocks("Q5_K", rows, cols, seed=seed))
+
+
 def q4_k(rows: int, cols: int, seed: int = 3):
     return REPACK["Q4_K"](random_blocks("Q4_K", rows, cols, seed=seed))
 
@@ -35,7 +39,7 @@ def q4_k(rows: int, cols: int, seed: int = 3):
 ARRAYS = ("values", "scale", "min", "super_scale", "super_min")
 
 
-@pytest.mark.parametrize("make, layout", [(q6_k, "p8"), (q4_k, "p4")])
+@pytest.mark.parametrize("make, layout", [(q6_k, "p8"), (q5_k, "p8"), (q4_k, "p4")])
 def test_panels_hold_the_same_values_and_scales_in_the_same_bytes(make, layout):
     w = make(48, 512)
     panels = as_panels(w)
@@ -63,7 +67,7 @@ def test_where_panels_put_each_value():
     assert not takes_panels(REPACK["Q4_1"](random_blocks("Q4_1", 48, 512)))
 
 
-@pytest.mark.parametrize("make", [q6_k, q4_k])
+@pytest.mark.parametrize("make", [q6_k, q5_k, q4_k])
 def test_panel_products_are_exact_on_x_as_rounded_at_any_number_of_rows(avx2, make):  # noqa: F811
     """One row (a decode step), a few, a 16-row step and a prefill's many: each the
     float64 product of x as the kernel rounds it; the XLA path (which reorders the
@@ -81,7 +85,7 @@ def test_panel_products_are_exact_on_x_as_rounded_at_any_number_of_rows(avx2, ma
         assert 1e-3 < np.abs(got - exact).max() / largest < 3e-2, m
 
 
-@pytest.mark.parametrize("make", [q6_k, q4_k])
+@pytest.mark.parametrize("make", [q6_k, q5_k, q4_k])
 def test_a_stack_of_experts_in_panels_gives_each_experts_product(avx2, make):  # noqa: F811
     """A MoE layer's experts, [E, N, K]: each expert's matrix in panels of its own, read
     in place by the stacked product (and likewise by the experts' kernel)."""
@@ -142,8 +146,8 @@ def test_an_int8_load_holds_q6_k_in_panels_and_int16_gives_rows_back(avx2, k_mix
 
 def test_a_tiered_pool_holds_its_experts_in_panels_where_x_is_int8(avx2, k_mix_file):  # noqa: F811
     """Experts read from the file one by one into RAM and a pool of 2 slots: Q4_K's and
-    Q6_K's in panels as the resident model holds them (Q5_K's stay rows), the same bytes,
-    and the resident model's greedy tokens."""
+    Q6_K's and Q5_K's in panels as the resident model holds them, the same bytes, and the
+    resident model's greedy tokens."""
     path, vocab = k_mix_file
     prompt = long_prompt("qwen3_moe", vocab)
     resident = load_model(path, activations="int8")
@@ -151,7 +155,7 @@ def test_a_tiered_pool_holds_its_experts_in_panels_where_x_is_int8(avx2, k_mix_f
     pools = {bits: ExpertPool(lazy.expert_reader, sum(lazy.config.moe_layers), lazy.config.n_experts, 2, 2,
                               x_bits=bits) for bits in (8, 16)}
     layouts = [[w.layout for w in layer] for layer in pools[8].pools]
-    assert layouts[0] == ["p4", "p8"] and layouts[1] == ["p4", "q8"], layouts
+    assert layouts == [["p4", "p8"], ["p4", "p8"]], layouts
     assert [[w.layout for w in layer] for layer in pools[16].pools] == [["q4", "q8"], ["q4", "q8"]]
     np.testing.assert_array_equal(pools[8].expert_bytes, pools[16].expert_bytes)
     tokens, logits, _ = tiered_run(TieredModel(lazy, pools[8]), prompt)

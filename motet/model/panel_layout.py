@@ -26,8 +26,8 @@ def _panel_order(a, lead, n):
 
 
 def as_panels(w):
-    """A q8 matrix of Q6_K blocks (or a stack of them) as p8, or a q4 one of Q4_K blocks
-    as p4, on the host. Panel p is rows 16p to 16p + 15:
+    """A q8 matrix of Q6_K or Q5_K blocks (or a stack of them) as p8, or a q4 one of Q4_K
+    blocks as p4, on the host. Panel p is rows 16p to 16p + 15:
       p8  values [K/4][16] dwords, four values of a row plus 32 (as unsigned bytes)
       p4  values a block of 32 at a time, [j 4][h 2][column 8][4] bytes: quad j (values 4j
           to 4j + 3) of columns 8h to 8h + 7 in the low nibbles, quad j + 4 in the high
@@ -38,7 +38,7 @@ def as_panels(w):
     if w.layout == "q8":
         grouped = values.view(np.uint8).reshape(*lead, panels, PANEL_ROWS, row_bytes // 4, 4).swapaxes(-3, -2)
         held = np.ascontiguousarray(grouped).reshape(*lead, n, row_bytes)
-        held += np.uint8(32)  # six-bit values [-32, 31] as bytes [0, 63]
+        held += np.uint8(32)  # values of six bits [-32, 31] (Q5_K's [0, 31]) as bytes up to 63
     else:  # a q4 block's byte i: value i low, value i + 16 high
         k = 2 * row_bytes
         v = values.reshape(*lead, panels, PANEL_ROWS, k // 32, 1, 16)

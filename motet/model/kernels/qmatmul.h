@@ -8,8 +8,8 @@
 
 namespace motet_qmatmul {
 
-// P8 and P4: Q6_K's six-bit values and Q4_K's 4-bit ones held as the integer pairs'
-// panels of 16 rows (panels_avx2.inc), which only the AVX2 kernels read.
+// P8 and P4: Q6_K's and Q5_K's int8 values and Q4_K's 4-bit ones held as the integer
+// pairs' panels of 16 rows (panels_avx2.inc), which only the AVX2 kernels read.
 enum Kind : int { Q4 = 0, Q8 = 1, P8 = 2, P4 = 3 };
 constexpr bool four_bits(int kind) { return kind == Q4 || kind == P4; }
 
@@ -86,14 +86,15 @@ struct QWeights {
 };
 
 // Why w (P8 or P4) is not what panels_avx2.inc reads, or null: whole panels of Q6_K
-// blocks (int8 scales, a super entry per 16) or Q4_K ones (byte scales and mins, one per
-// 8), x in int8.
+// blocks (P8, blocks of 16: int8 scales, a super entry per 16 blocks, no mins), or Q5_K
+// (P8) or Q4_K (P4) ones (blocks of 32: byte scales and mins, a super entry each per 8),
+// x in int8.
 inline const char* panels_unfit(const QWeights& w) {
-  const bool p4 = w.kind == P4;
-  const int form = p4 ? BYTES : SIGNED_BYTES;
-  if (w.n % 16 || w.x_bits != 8 || w.block != (p4 ? 32 : 16) || w.packed_scale.form != form ||
-      w.packed_scale.group != (p4 ? 8 : 16) || (p4 ? w.packed_min.form != form : w.packed_min.form || w.min))
-    return "p8 and p4 are Q6_K and Q4_K blocks in 16-row panels, x in int8";
+  const bool six = w.kind == P8 && w.block == 16;
+  const int form = six ? SIGNED_BYTES : BYTES;
+  if (w.n % 16 || w.x_bits != 8 || w.block != (six ? 16 : 32) || w.packed_scale.form != form ||
+      w.packed_scale.group != (six ? 16 : 8) || (six ? w.packed_min.form || w.min : w.packed_min.form != form))
+    return "p8 and p4 are Q6_K, Q5_K and Q4_K blocks in 16-row panels, x in int8";
   return nullptr;
 }
 
