@@ -36,10 +36,18 @@ def q4_k(rows: int, cols: int, seed: int = 3):
     return REPACK["Q4_K"](random_blocks("Q4_K", rows, cols, seed=seed))
 
 
+def q4_1(rows: int, cols: int, seed: int = 3):  # 576 columns: 18 blocks, as SmolLM2's
+    return REPACK["Q4_1"](random_blocks("Q4_1", rows, cols + 64 if cols == 512 else cols, seed=seed))
+
+
+def q4_0(rows: int, cols: int, seed: int = 3):
+    return REPACK["Q4_0"](random_blocks("Q4_0", rows, cols, seed=seed))
+
+
 ARRAYS = ("values", "scale", "min", "super_scale", "super_min")
 
 
-@pytest.mark.parametrize("make, layout", [(q6_k, "p8"), (q5_k, "p8"), (q4_k, "p4")])
+@pytest.mark.parametrize("make, layout", [(q6_k, "p8"), (q5_k, "p8"), (q4_k, "p4"), (q4_1, "p4"), (q4_0, "p4")])
 def test_panels_hold_the_same_values_and_scales_in_the_same_bytes(make, layout):
     w = make(48, 512)
     panels = as_panels(w)
@@ -64,10 +72,10 @@ def test_where_panels_put_each_value():
     # (high): a q4 block's bytes 0-3 hold both already
     np.testing.assert_array_equal(p4[0, :32], v.values[:8, :4].ravel())
     assert not takes_panels(REPACK["Q8_0"](random_blocks("Q8_0", 48, 512)))
-    assert not takes_panels(REPACK["Q4_1"](random_blocks("Q4_1", 48, 512)))
+    assert takes_panels(REPACK["Q4_1"](random_blocks("Q4_1", 48, 512)))
 
 
-@pytest.mark.parametrize("make", [q6_k, q5_k, q4_k])
+@pytest.mark.parametrize("make", [q6_k, q5_k, q4_k, q4_1, q4_0])
 def test_panel_products_are_exact_on_x_as_rounded_at_any_number_of_rows(avx2, make):  # noqa: F811
     """One row (a decode step), a few, a 16-row step and a prefill's many: each the
     float64 product of x as the kernel rounds it; the XLA path (which reorders the
@@ -75,8 +83,8 @@ def test_panel_products_are_exact_on_x_as_rounded_at_any_number_of_rows(avx2, ma
     w = make(96, 512)
     panels = jax.device_put(as_panels(w))
     rng = np.random.default_rng(5)
-    for m in (1, 2, 5, 7, 16, 45):
-        x = rng.standard_normal((m, 512)).astype(np.float32)
+    for m in (1, 2, 5, 7, 16, 45, 80):  # past 64 rows a P4 panel is unpacked once for all
+        x = rng.standard_normal((m, w.shape[1])).astype(np.float32)
         want = int8_reference(x, w)
         largest = np.abs(want).max()
         got = np.asarray(qmatmul(x, panels, use_native=True))
@@ -85,7 +93,7 @@ def test_panel_products_are_exact_on_x_as_rounded_at_any_number_of_rows(avx2, ma
         assert 1e-3 < np.abs(got - exact).max() / largest < 3e-2, m
 
 
-@pytest.mark.parametrize("make", [q6_k, q5_k, q4_k])
+@pytest.mark.parametrize("make", [q6_k, q5_k, q4_k, q4_1, q4_0])
 def test_a_stack_of_experts_in_panels_gives_each_experts_product(avx2, make):  # noqa: F811
     """A MoE layer's experts, [E, N, K]: each expert's matrix in panels of its own, read
     in place by the stacked product (and likewise by the experts' kernel)."""

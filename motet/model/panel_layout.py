@@ -26,8 +26,8 @@ def _panel_order(a, lead, n):
 
 
 def as_panels(w):
-    """A q8 matrix of Q6_K or Q5_K blocks (or a stack of them) as p8, or a q4 one of Q4_K
-    blocks as p4, on the host. Panel p is rows 16p to 16p + 15:
+    """A q8 matrix of Q6_K or Q5_K blocks (or a stack of them) as p8, or a q4 one of Q4_K,
+    Q4_1 or Q4_0 blocks as p4, on the host. Panel p is rows 16p to 16p + 15:
       p8  values [K/4][16] dwords, four values of a row plus 32 (as unsigned bytes)
       p4  values a block of 32 at a time, [j 4][h 2][column 8][4] bytes: quad j (values 4j
           to 4j + 3) of columns 8h to 8h + 7 in the low nibbles, quad j + 4 in the high

@@ -1,12 +1,13 @@
-"""Q6_K, Q5_K and Q4_K matrices held as the AVX2 kernels' panels (panel_layout.py's p8
-and p4), where x is rounded to int8.
+"""Q6_K, Q5_K, Q4_K, Q4_1 and Q4_0 matrices held as the AVX2 kernels' panels
+(panel_layout.py's p8 and p4), where x is rounded to int8.
 
 The integer pairs read a matrix 16 rows at a time, four values of each row a dword
 (kernels/pairs_bytes_avx2.inc). Built from row-major bytes on every call, those panels
 took a fifth of the Q6_K head's 16-row product, and the one-row dots widen every byte
 to int16; held that way from the load, one `vpmaddubsw` takes 32 of the file's values
-as they lie, at one row of x as at many (kernels/panels_avx2.inc). So every Q6_K, Q5_K
-and Q4_K matrix is held so where x is int8: all but the embedding of a Q4_K_M file. The
+as they lie, at one row of x as at many (kernels/panels_avx2.inc). So every matrix of
+those types is held so where x is int8: all but the embedding of a Q4_K_M file, all but
+the tied head of the default model. The
 values, scales and mins are the file's, reordered, and the bytes held do not change.
 No other kernel reads panels; the XLA path puts the rows back in order.
 """
@@ -31,8 +32,13 @@ def kernels_read_panels() -> bool:
 def takes_panels(w) -> bool:
     """Whether w can be held in panels: a matrix, or a stack of experts' matrices, in whole
     panels of Q6_K blocks (p8: int8 scales per 16 values, a float per 256), Q5_K ones (p8:
-    byte scales and mins per 32, a float each per 256) or Q4_K ones (p4, likewise)."""
-    if not isinstance(w, QTensor) or w.values.shape[-2] % PANEL_ROWS or w.super_scale is None:
+    byte scales and mins per 32, a float each per 256), Q4_K ones (p4, likewise), or Q4_1
+    and Q4_0 ones (p4: half-float scales and mins per 32)."""
+    if not isinstance(w, QTensor) or w.values.shape[-2] % PANEL_ROWS:
+        return False
+    if w.layout == "q4" and w.source in ("Q4_0", "Q4_1"):  # p4 with half-float scales and mins
+        return w.min is not None and {np.dtype(w.scale.dtype), np.dtype(w.min.dtype)} == {np.dtype(np.float16)}
+    if w.super_scale is None:
         return False
     if w.layout == "q8" and w.source == "Q6_K":
         return w.block == 16 and w.group == 16 and w.min is None
@@ -54,7 +60,7 @@ def _arranged(w, panels: bool):
 
 def for_x_bits(tree, x_bits: int):
     """The QTensors of a pytree (a QTensor, a QRows' pieces) as products with x in
-    `x_bits` read them here: Q6_K, Q5_K and Q4_K matrices in panels where x is int8 and the kernels
+    `x_bits` read them here: matrices of the types takes_panels names in panels where x is int8 and the kernels
     read panels (not the embedding, whose lookups take rows: the caller leaves it out)."""
     panels = x_bits == 8 and kernels_read_panels()
     return jax.tree.map(lambda w: _arranged(w, panels), tree, is_leaf=lambda t: isinstance(t, QTensor))

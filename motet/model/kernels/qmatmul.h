@@ -86,15 +86,16 @@ struct QWeights {
 };
 
 // Why w (P8 or P4) is not what panels_avx2.inc reads, or null: whole panels of Q6_K
-// blocks (P8, blocks of 16: int8 scales, a super entry per 16 blocks, no mins), or Q5_K
+// blocks (P8, blocks of 16: int8 scales, a super entry per 16 blocks, no mins), Q5_K
 // (P8) or Q4_K (P4) ones (blocks of 32: byte scales and mins, a super entry each per 8),
-// x in int8.
+// or Q4_1 and Q4_0 ones (P4: half-float scales and mins), x in int8.
 inline const char* panels_unfit(const QWeights& w) {
-  const bool six = w.kind == P8 && w.block == 16;
-  const int form = six ? SIGNED_BYTES : BYTES;
+  const bool six = w.kind == P8 && w.block == 16, halves = w.kind == P4 && w.packed_scale.form == HALVES;
+  const int form = six ? SIGNED_BYTES : halves ? HALVES : BYTES;
   if (w.n % 16 || w.x_bits != 8 || w.block != (six ? 16 : 32) || w.packed_scale.form != form ||
-      w.packed_scale.group != (six ? 16 : 8) || (six ? w.packed_min.form || w.min : w.packed_min.form != form))
-    return "p8 and p4 are Q6_K, Q5_K and Q4_K blocks in 16-row panels, x in int8";
+      w.packed_scale.group != (six ? 16 : halves ? 1 : 8) ||
+      (six ? w.packed_min.form || w.min : w.packed_min.form != form))
+    return "p8 and p4 are Q6_K, Q5_K, Q4_K, Q4_1 and Q4_0 blocks in 16-row panels, x in int8";
   return nullptr;
 }
 
