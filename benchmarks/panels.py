@@ -1,11 +1,12 @@
-"""Panels against rows, side by side in one process: a model loaded with x in int8 (its
-Q6_K, Q5_K and Q4_K matrices held as the AVX2 kernels' panels, motet/model/panels.py)
-against the same model with every panel put back in row order (x in int8 too), each
-timed in turn, round after round. Per round: a one-row and a 16-row decode step over 16
-slots prefilled with 256 tokens each, and a 512-token prefill. Needs the AVX2 kernels
-(on other CPUs nothing is held in panels). Not part of CI.
+"""Panels against rows, side by side in one process: a model as loaded (its Q6_K, Q5_K,
+Q4_K, Q4_1 and Q4_0 matrices held as the AVX2 kernels' panels, motet/model/panels.py)
+against the same model with every panel put back in row order, x rounded alike in both
+(`--activations`: int16, the default's 16 bits, or int8), each timed in turn, round
+after round. Per round: a one-row and a 16-row decode step over 16 slots prefilled with
+256 tokens each, and a 512-token prefill. Needs the AVX2 kernels (on other CPUs nothing
+is held in panels). Not part of CI.
 
-    .venv/bin/python benchmarks/panels.py [--file moe-q4km|PATH] [--rounds 7]
+    .venv/bin/python benchmarks/panels.py [--file moe-q4km|PATH] [--activations int16|int8] [--rounds 7]
 
 Prints JSON, then a table of medians (ms) and the panels / rows ratio.
 """
@@ -24,21 +25,12 @@ import numpy as np
 
 from motet.model import generate, load_model
 from motet.model.kv import KVGeometry, init_kv
-from motet.model.panel_layout import PANELS, rows_of_panels
+from motet.model.panel_layout import PANELS
+from motet.model.panels import in_rows
 from motet.model.quant import QTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import files  # noqa: E402  (the generated MoE files, built once and cached)
-
-
-def in_rows(model):
-    """The model with every panel put back in row order, x still in int8."""
-    def rows(w):
-        if isinstance(w, QTensor) and w.layout in PANELS:
-            return jax.device_put(replace(jax.tree.map(np.asarray, rows_of_panels(w)), x_bits=8))
-        return w
-
-    return replace(model, weights=jax.tree.map(rows, model.weights, is_leaf=lambda t: isinstance(t, QTensor)))
 
 
 def timed_steps(model, kv, geo, rows: int, calls: int, first: int, rng) -> tuple[float, object]:
@@ -55,17 +47,17 @@ def timed_steps(model, kv, geo, rows: int, calls: int, first: int, rng) -> tuple
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--file", default="moe-q4km", help="a benchmark file's name (peers.py) or a GGUF path")
+    parser.add_argument("--activations", choices=("int16", "int8"), default="int16")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
     path = Path(args.file) if Path(args.file).exists() else files([args.file])[args.file]
-    panels = load_model(path, activations="int8")
+    panels = load_model(path, activations=args.activations)
     held = sorted({w.layout for w in jax.tree.leaves(panels.weights, is_leaf=lambda t: isinstance(t, QTensor))
                    if isinstance(w, QTensor)})
     if not set(held) & set(PANELS):
-        print(f"nothing is held in panels here (layouts {held}): the AVX2 kernels and x in int8 hold them",
-              file=sys.stderr)
+        print(f"nothing is held in panels here (layouts {held}): only the AVX2 kernels read them", file=sys.stderr)
         return 1
-    models = {"rows": in_rows(panels), "panels": panels}
+    models = {"rows": replace(panels, weights=in_rows(panels.weights)), "panels": panels}
     cfg = panels.config
     geo = KVGeometry(n_slots=17, max_context=1024, chunk=512)
     rng = np.random.default_rng(0)
@@ -90,9 +82,10 @@ def main(argv=None) -> int:
             np.asarray(logits)
             results[name]["512-token prefill"].append((time.perf_counter() - started) * 1e3)
     medians = {name: {k: float(np.median(v)) for k, v in r.items()} for name, r in results.items()}
-    print(json.dumps({"file": str(path), "layouts": held, "rounds": args.rounds, "ms": results,
+    print(json.dumps({"file": str(path), "activations": args.activations, "layouts": held, "rounds": args.rounds,
+                      "ms": results,
                       "medians": medians}, indent=1))
-    print(f"\n{path.name}, x in int8, {args.rounds} rounds alternated (ms, medians)")
+    print(f"\n{path.name}, x {args.activations}, {args.rounds} rounds alternated (ms, medians)")
     print(f"{'':24} {'rows':>8} {'panels':>8} {'ratio':>6}")
     for what in results["rows"]:
         a, b = medians["rows"][what], medians["panels"][what]

@@ -28,14 +28,15 @@ from motet.model.tiered import moe_over_pool
 from motet.model.tiered_model import TieredModel
 
 
-def int8_reference(x: np.ndarray, w) -> np.ndarray:
+def int8_reference(x: np.ndarray, w, steps: int = 127) -> np.ndarray:
     """x rounded as the kernel rounds it (int8 per 32 values: its largest magnitude over
-    127, to the nearest, ties to even), times w's values, in float64."""
+    127, to the nearest, ties to even; or over another number of steps), times w's values,
+    in float64."""
     m, k = x.shape
     spans = x.reshape(m, k // 32, 32)
     top = np.abs(spans).max(-1, keepdims=True)
-    inverse = np.where(top > 0, np.float32(127) / np.where(top > 0, top, 1), 0).astype(np.float32)
-    rounded = (np.rint(spans * inverse) * (top / np.float32(127))).astype(np.float64).reshape(m, -1, w.block)
+    inverse = np.where(top > 0, np.float32(steps) / np.where(top > 0, top, 1), 0).astype(np.float32)
+    rounded = (np.rint(spans * inverse) * (top / np.float32(steps))).astype(np.float64).reshape(m, -1, w.block)
     return np.einsum("mbj,nbj->mn", rounded, dequantize_host(w).astype(np.float64).reshape(w.shape[0], -1, w.block))
 
 

@@ -125,7 +125,7 @@ class ModelRunner:
             assert reader is not None  # read above, before the experts left the weights
             p = tiered_plan
             self.pool = ExpertPool(reader, p.layers, p.experts, p.pool_slots, p.ram_capacity,
-                                   dtype, mesh=mesh_of(model.weights), x_bits=cfg.x_bits)
+                                   dtype, mesh=mesh_of(model.weights))
             self.pool.fill(np.zeros((p.layers, p.experts)) if rank is None else rank)
             self.pool.take_stats()  # the start-up loads are not a step's moves
             self.tiered = TieredModel(model, self.pool, prefetch=prefetch)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from .panels import for_x_bits
+from .panels import as_read_here
 from .quant import QTensor, host_index, stack
 from .sharding import EP, TP, gate_up_layout
 from .tiered import POOL_SPECS, put_experts, take_experts
@@ -96,7 +96,7 @@ class LookupStats:
 
 class ExpertPool:
     def __init__(self, reader: ExpertReader, n_layers: int, n_experts: int, slots: int,
-                 ram_capacity: int | None, dtype=jnp.float32, mesh: Mesh | None = None, x_bits: int = 16):
+                 ram_capacity: int | None, dtype=jnp.float32, mesh: Mesh | None = None):
         if not 1 <= slots <= n_experts:
             raise ValueError(f"pool slots must be in [1, {n_experts}], got {slots}")
         self.reader, self.R, self.E, self.C = reader, n_layers, n_experts, slots
@@ -109,7 +109,6 @@ class ExpertPool:
         self.groups, self.group_slots, self.group_experts = groups, slots // groups, n_experts // groups
         self.ram_capacity = ram_capacity  # experts over all layers; None: no limit
         self.host_dtype = np.dtype(dtype)  # of float experts; quantized ones stay as read
-        self.x_bits = x_bits  # the model's: with int8, Q6_K and Q4_K experts are held in panels (panels.py)
         # Each layer's pool takes the shapes of its first expert as read: a quantized
         # file may hold some layers' experts in more bits than others.
         self.stats = LookupStats()
@@ -381,7 +380,7 @@ class ExpertPool:
         started = time.perf_counter()
         gu, dn = self.reader.read(r, e)
         if isinstance(gu, QTensor):
-            gu, dn = for_x_bits((gu, dn), self.x_bits)
+            gu, dn = as_read_here((gu, dn))
         else:
             gu, dn = np.asarray(gu, self.host_dtype), np.asarray(dn, self.host_dtype)
         if self.mesh is not None:  # RAM and the pool hold the layout of its tp shards

@@ -17,7 +17,6 @@ from .errors import ContextLengthError
 from .expert_pool import ExpertReader
 from .forward import prefill
 from .kv import bucket
-from .panels import arranged
 from .tokenizer import Tokenizer
 from .weights import count_parameters, decode_bytes, is_quantized, weight_bytes, weight_formats
 
@@ -46,9 +45,7 @@ class Model:
         model = self if kv_dtype == "auto" else replace(self, kv_dtype=kv_dtype)
         if activations is None:
             return model
-        x_bits = ACTIVATIONS[activations]
-        return replace(model, config=replace(model.config, x_bits=x_bits),
-                       weights=arranged(model.weights, x_bits, model.config.tie_embeddings))
+        return replace(model, config=replace(model.config, x_bits=ACTIVATIONS[activations]))
 
     @property
     def experts_packed(self) -> bool:

@@ -49,7 +49,7 @@ def as_panels(w):
         held = (q[..., 0] | (q[..., 1] << 4)).reshape(*lead, n, row_bytes)
     return replace(w, values=held, scale=_panel_order(w.scale, lead, n), min=_panel_order(w.min, lead, n),
                    super_scale=_panel_order(w.super_scale, lead, n), super_min=_panel_order(w.super_min, lead, n),
-                   layout=LAYOUT_OF[w.layout], x_bits=8)
+                   layout=LAYOUT_OF[w.layout])
 
 
 def rows_of_panels(w):

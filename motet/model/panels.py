@@ -1,20 +1,19 @@
 """Q6_K, Q5_K, Q4_K, Q4_1 and Q4_0 matrices held as the AVX2 kernels' panels
-(panel_layout.py's p8 and p4), where x is rounded to int8.
+(panel_layout.py's p8 and p4).
 
 The integer pairs read a matrix 16 rows at a time, four values of each row a dword
 (kernels/pairs_bytes_avx2.inc). Built from row-major bytes on every call, those panels
 took a fifth of the Q6_K head's 16-row product, and the one-row dots widen every byte
 to int16; held that way from the load, one `vpmaddubsw` takes 32 of the file's values
-as they lie, at one row of x as at many (kernels/panels_avx2.inc). So every matrix of
-those types is held so where x is int8: all but the embedding of a Q4_K_M file, all but
-the tied head of the default model. The
-values, scales and mins are the file's, reordered, and the bytes held do not change.
-No other kernel reads panels; the XLA path puts the rows back in order.
+as they lie, at one row of x as at many (kernels/panels_avx2.inc): x in int8 a byte a
+value, x on 16 bits as two planes of bytes. So every matrix of those types is held so
+where the kernels are AVX2's: all but the embedding of a Q4_K_M file, all but the tied
+head of the default model. The values, scales and mins are the file's, reordered, and
+the bytes held do not change. No other kernel reads panels; the XLA path puts the rows
+back in order.
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import jax
 import numpy as np
@@ -45,40 +44,22 @@ def takes_panels(w) -> bool:
     return (w.layout, w.source) in (("q8", "Q5_K"), ("q4", "Q4_K")) and w.group == 8 and w.super_min is not None
 
 
-def _arranged(w, panels: bool):
-    """One leaf as the products read it fastest: in panels where they are read and it
-    takes them, row-major again (x in int16, as loaded) where they are not; host arrays where
-    it changes, else w itself."""
-    if not isinstance(w, QTensor):
+def as_read_here(tree):
+    """The QTensors of a pytree (a QTensor, a QRows' pieces) as this process's products
+    read them: matrices of the types takes_panels names in panels where the kernels read
+    panels (not the embedding, whose lookups take rows: the caller leaves it out)."""
+    panels = kernels_read_panels()
+    return jax.tree.map(lambda w: as_panels(w) if panels and takes_panels(w) else w, tree,
+                        is_leaf=lambda t: isinstance(t, QTensor))
+
+
+def in_rows(tree):
+    """The QTensors of a pytree with every panel put back in row order, on the device: as
+    the kernels of other instruction sets read them (a test that picks one, a benchmark
+    against rows)."""
+    def rows(w):
+        if isinstance(w, QTensor) and w.layout in PANELS:
+            return jax.device_put(jax.tree.map(np.asarray, rows_of_panels(w)))
         return w
-    if panels and takes_panels(w):
-        return as_panels(w)
-    if not panels and w.layout in PANELS:
-        return replace(jax.tree.map(np.asarray, rows_of_panels(w)), x_bits=16)
-    return w
 
-
-def for_x_bits(tree, x_bits: int):
-    """The QTensors of a pytree (a QTensor, a QRows' pieces) as products with x in
-    `x_bits` read them here: matrices of the types takes_panels names in panels where x is int8 and the kernels
-    read panels (not the embedding, whose lookups take rows: the caller leaves it out)."""
-    panels = x_bits == 8 and kernels_read_panels()
-    return jax.tree.map(lambda w: _arranged(w, panels), tree, is_leaf=lambda t: isinstance(t, QTensor))
-
-
-def arranged(weights: dict, x_bits: int, tied: bool) -> dict:
-    """A model's weights (weights.py's dict) as for_x_bits says, on the device; what does
-    not change is shared. A tied head is the embedding too, and stays as it is."""
-    panels = x_bits == 8 and kernels_read_panels()
-
-    def leaf(w):
-        new = _arranged(w, panels)
-        return w if new is w else jax.device_put(new)
-
-    def tree(t):
-        return jax.tree.map(leaf, t, is_leaf=lambda t: isinstance(t, QTensor))
-
-    skipped = {"embed", "layers"} | ({"lm_head"} if tied else set())
-    out = {name: entry if name in skipped else tree(entry) for name, entry in weights.items()}
-    out["layers"] = [{name: tree(entry) for name, entry in layer.items()} for layer in weights["layers"]]
-    return out
+    return jax.tree.map(rows, tree, is_leaf=lambda t: isinstance(t, QTensor))

@@ -31,7 +31,7 @@ from .config import ModelConfig
 from .errors import ModelFileError
 from .file_rows import FileRows
 from .panel_layout import PANELS
-from .panels import for_x_bits
+from .panels import as_read_here
 from .quant import QRows, QTensor, join_rows, stack_rows
 from .sharding import place_leaf
 
@@ -102,7 +102,7 @@ def pack_weights(cfg: ModelConfig, source: TensorSource, dtype=jnp.float32, expe
         def put(name: str, array: QTensor | QRows | np.ndarray, dtype) -> jax.Array:
             if isinstance(array, (QTensor, QRows)):
                 if name != "embed" and not (name == "lm_head" and cfg.tie_embeddings):  # lookups take rows
-                    array = for_x_bits(array, cfg.x_bits)
+                    array = as_read_here(array)
                 return jax.device_put(array)
             return jnp.asarray(array, dtype=dtype)
     else:

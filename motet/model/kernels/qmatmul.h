@@ -92,10 +92,10 @@ struct QWeights {
 inline const char* panels_unfit(const QWeights& w) {
   const bool six = w.kind == P8 && w.block == 16, halves = w.kind == P4 && w.packed_scale.form == HALVES;
   const int form = six ? SIGNED_BYTES : halves ? HALVES : BYTES;
-  if (w.n % 16 || w.x_bits != 8 || w.block != (six ? 16 : 32) || w.packed_scale.form != form ||
+  if (w.n % 16 || w.block != (six ? 16 : 32) || w.packed_scale.form != form ||
       w.packed_scale.group != (six ? 16 : halves ? 1 : 8) ||
       (six ? w.packed_min.form || w.min : w.packed_min.form != form))
-    return "p8 and p4 are Q6_K, Q5_K, Q4_K, Q4_1 and Q4_0 blocks in 16-row panels, x in int8";
+    return "p8 and p4 are Q6_K, Q5_K, Q4_K, Q4_1 and Q4_0 blocks in 16-row panels";
   return nullptr;
 }
 
