@@ -7,7 +7,8 @@ them), kept as one of two layouts:
       nibble and value i + 16 in its high one; block 32
   q8  values int8 [..., N, K]; block 16 or 32
   p8  a q8 matrix of Q6_K or Q5_K blocks as the AVX2 kernels' panels of 16 rows, and p4
-      a q4 one of Q4_K blocks (panel_layout.py; panels.py holds them so where x is int8)
+      a q4 one of Q4_K, Q4_1 or Q4_0 blocks (panel_layout.py; panels.py holds them so
+      where the AVX2 kernels run)
 with scale [..., N, K/block] and, where the format has one, min likewise: a weight is
 q · scale + min. Scales and mins are as the file keeps them, so no value changes:
 float16 (Q4_0, Q4_1, Q8_0), or for the K types small integers (uint8, or int8 for Q6_K)
