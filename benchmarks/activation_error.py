@@ -32,6 +32,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -156,6 +157,7 @@ def main(argv=None) -> int:
 
     from motet.model import default_model_path, load_model, native
     from motet.model.generate import generate
+    from motet.model.panels import in_rows
 
     path = args.model or default_model_path()
     ref_model, model = load_model(path, dtype="float32"), load_model(path)
@@ -176,9 +178,10 @@ def main(argv=None) -> int:
     floats_isa = native.FLOAT_ROWS_INSTEAD.get(isa)
     pairs = floats_isa is not None
     prefill_label = f"motet prefill (int16 x pairs, {isa})" if pairs else "motet prefill (float x)"
-    if pairs:
+    if pairs:  # the other instruction set reads rows, not AVX2's panels
+        in_rows_model = replace(model, weights=in_rows(model.weights))
         native.select_instruction_set(floats_isa)
-        ours["float prefill"] = model.logits(ids)
+        ours["float prefill"] = in_rows_model.logits(ids)
         native.select_instruction_set(isa)
     print("running llama.cpp", file=sys.stderr)
     peer = llama_logits(path, ids, args.threads)

@@ -32,6 +32,7 @@ import numpy as np
 
 from motet.model import forward, load_model, moe, native
 from motet.model.kv import KVGeometry, init_kv
+from motet.model.panels import in_rows
 from motet.model.quant import QTensor, plain
 
 POSITIONS = 300
@@ -78,9 +79,10 @@ def has_packed_scales(leaf) -> bool:
 
 def widened(weights):
     """The weights with every K type's packed scales and mins widened to float32 (a
-    copy of each such tensor's scales, on the device)."""
-    return jax.tree.map(lambda leaf: jax.device_put(plain(leaf)) if has_packed_scales(leaf) else leaf, weights,
-                        is_leaf=lambda leaf: isinstance(leaf, QTensor))
+    copy of each such tensor's scales, on the device; panels, which only packed scales
+    go with, back in rows)."""
+    return jax.tree.map(lambda leaf: jax.device_put(plain(leaf)) if has_packed_scales(leaf) else leaf,
+                        in_rows(weights), is_leaf=lambda leaf: isinstance(leaf, QTensor))
 
 
 # The variants that time other weights than the loaded ones: name -> their form of them.
