@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     isa = native.instruction_set()
     floats_isa = native.FLOAT_ROWS_INSTEAD.get(isa)
     pairs = floats_isa is not None
-    prefill_label = f"motet prefill (int16 x pairs, {isa})" if pairs else "motet prefill (float x)"
+    prefill_label = f"motet prefill (x on 16 bits, integers, {isa})" if pairs else "motet prefill (float x)"
     if pairs:  # the other instruction set reads rows, not AVX2's panels
         in_rows_model = replace(model, weights=in_rows(model.weights))
         native.select_instruction_set(floats_isa)
