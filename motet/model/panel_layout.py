@@ -32,21 +32,19 @@ def as_panels(w):
       p4  values a block of 32 at a time, [j 4][h 2][column 8][4] bytes: quad j (values 4j
           to 4j + 3) of columns 8h to 8h + 7 in the low nibbles, quad j + 4 in the high
     and scales, mins [K/block][16] and super entries [K/block/group][16]."""
-    values = np.asarray(w.values)
+    # Both moves are of whole dwords: a q4 block's dword j already holds quad j (its low
+    # nibbles: values 4j to 4j + 3) and quad j + 4 (the high ones: values 4j + 16 on).
+    values = np.ascontiguousarray(w.values)
     *lead, n, row_bytes = values.shape
-    panels = n // PANEL_ROWS
-    if w.layout == "q8":
-        grouped = values.view(np.uint8).reshape(*lead, panels, PANEL_ROWS, row_bytes // 4, 4).swapaxes(-3, -2)
-        held = np.ascontiguousarray(grouped).reshape(*lead, n, row_bytes)
+    panels, dwords = n // PANEL_ROWS, values.view(np.uint32)
+    if w.layout == "q8":  # [panels, column, K/4] to [panels, K/4, column]
+        held = np.ascontiguousarray(dwords.reshape(*lead, panels, PANEL_ROWS, row_bytes // 4).swapaxes(-1, -2))
+        held = held.view(np.uint8).reshape(*lead, n, row_bytes)
         held += np.uint8(32)  # values of six bits [-32, 31] (Q5_K's [0, 31]) as bytes up to 63
-    else:  # a q4 block's byte i: value i low, value i + 16 high
-        k = 2 * row_bytes
-        v = values.reshape(*lead, panels, PANEL_ROWS, k // 32, 1, 16)
-        q = np.concatenate([v & 15, v >> 4], axis=-2).reshape(*lead, panels, 2, 8, k // 32, 2, 4, 4)
-        # [panels, h, column, block, half, j, value] to [panels, block, j, h, column, value, half]
-        q = q.transpose(*range(len(lead)), *(len(lead) + i for i in (0, 3, 5, 1, 2, 6, 4)))
-        q = np.ascontiguousarray(q)
-        held = (q[..., 0] | (q[..., 1] << 4)).reshape(*lead, n, row_bytes)
+    else:  # [panels, h, column, block, j] to [panels, block, j, h, column]
+        d = dwords.reshape(*lead, panels, 2, 8, row_bytes // 16, 4)
+        order = (*range(len(lead)), *(len(lead) + i for i in (0, 3, 4, 1, 2)))
+        held = np.ascontiguousarray(d.transpose(order)).view(np.uint8).reshape(*lead, n, row_bytes)
     return replace(w, values=held, scale=_panel_order(w.scale, lead, n), min=_panel_order(w.min, lead, n),
                    super_scale=_panel_order(w.super_scale, lead, n), super_min=_panel_order(w.super_min, lead, n),
                    layout=LAYOUT_OF[w.layout])
