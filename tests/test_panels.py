@@ -1,7 +1,7 @@
 """Q6_K, Q5_K, Q4_K, Q4_1 and Q4_0 matrices held as the AVX2 kernels' panels of 16 rows
 (p8, p4: panel_layout.py, panels.py): the file's values, scales and mins reordered in the
 same bytes, and products exact on x as rounded at any number of rows, x in int8 or on 16
-bits as two planes of bytes."""
+bits (two planes of bytes up to 16 rows, int16 pairs past them)."""
 
 from __future__ import annotations
 
@@ -81,13 +81,14 @@ def test_where_panels_put_each_value():
 @pytest.mark.parametrize("make", [q6_k, q5_k, q4_k, q4_1, q4_0])
 def test_panel_products_are_exact_on_x_as_rounded_at_any_number_of_rows(avx2, make, bits):  # noqa: F811
     """One row (a decode step), a few, a 16-row step and a prefill's many: each the
-    float64 product of x as the kernel rounds it (int8, or 16 bits split into two bytes);
+    float64 product of x as the kernel rounds it (int8, or 16 bits: split into two bytes,
+    or whole past 16 rows, where the panels are widened into int16 pairs);
     the XLA path (which reorders the panels back) computes the unrounded product, off by
     that rounding: about 1e-2 of the largest output for int8, under 1e-4 for 16 bits."""
     w = make(96, 512)
     panels = jax.device_put(replace(as_panels(w), x_bits=bits))
     rng = np.random.default_rng(5)
-    for m in (1, 2, 5, 7, 16, 45, 80):  # past 64 rows a P4 panel is unpacked once for all (int8)
+    for m in (1, 2, 5, 7, 16, 17, 45, 80):  # past 16 rows a panel is widened once for all
         x = rng.standard_normal((m, w.shape[1])).astype(np.float32)
         want = int8_reference(x, w, STEPS[bits])
         largest = np.abs(want).max()

@@ -5,6 +5,7 @@
 // rows at once with the quantized products.
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "qmatmul.h"
@@ -41,6 +42,10 @@ void activate(void* arg, int64_t unit) {
   a.swiglu(a.hidden + first * 2 * a.f, rows, a.f, a.out + first * a.f);
 }
 
+// Floats left unset: every one is written before it is read, and zeroing an expert's
+// buffers and the outputs took 2% of a prefill's experts on one thread.
+std::unique_ptr<float[]> unset_floats(int64_t n) { return std::unique_ptr<float[]>(new float[n]); }
+
 struct Plan {
   const Experts& m;
   Impl product;
@@ -48,7 +53,7 @@ struct Plan {
   Parallel inner;                     // how an expert's own products run
   const std::vector<int64_t>& start;  // [experts + 1]: expert e's assignments in order
   const std::vector<int64_t>& order;  // assignments sorted by expert
-  std::vector<float> ys;              // [sorted assignments, d]: each one's output
+  std::unique_ptr<float[]> ys;        // [sorted assignments, d]: each one's output
   std::vector<int64_t> by_rows;       // the order the experts are taken in (empty: 0, 1, ...)
 };
 
@@ -60,13 +65,44 @@ void run_expert(void* arg, int64_t unit) {
   const int64_t first = plan.start[e], count = plan.start[e + 1] - first;
   if (count == 0) return;
   const int64_t d = m.gate_up.first.k, f = m.gate_up.first.n / 2;
-  std::vector<float> rows(count * d), hidden(count * 2 * f), act(count * f);
+  const auto rows = unset_floats(count * d), hidden = unset_floats(count * 2 * f), act = unset_floats(count * f);
   for (int64_t i = 0; i < count; ++i)
     std::memcpy(&rows[i * d], m.x + plan.order[first + i] / m.k * d, d * sizeof(float));
-  plan.product(m.gate_up.matrix(e), rows.data(), count, hidden.data(), plan.inner);
-  Activation activation{plan.swiglu, hidden.data(), act.data(), count, f};
+  plan.product(m.gate_up.matrix(e), rows.get(), count, hidden.get(), plan.inner);
+  Activation activation{plan.swiglu, hidden.get(), act.get(), count, f};
   plan.inner.for_each(plan.inner.pool, (count + ACTIVATION_ROWS - 1) / ACTIVATION_ROWS, activate, &activation);
-  plan.product(m.down.matrix(e), act.data(), count, &plan.ys[first * d], plan.inner);
+  plan.product(m.down.matrix(e), act.get(), count, &plan.ys[first * d], plan.inner);
+}
+
+// Tokens a unit of the weighted sum takes (a decode step's few run on the caller).
+constexpr int64_t SUM_TOKENS = 32;
+struct WeightedSum {
+  const Experts& m;
+  const float* ys;
+  const std::vector<int64_t>& sorted_at;  // [assignments]: where each lies in the sorted order, or -1
+};
+
+// out[t] = Σ weight · y over token t's assignments, added in their sorted order, as
+// XLA's grouped loop adds them, so each token's sum has the same bits however the
+// tokens are shared out.
+void weighted_sum(void* arg, int64_t unit) {
+  const WeightedSum& s = *static_cast<WeightedSum*>(arg);
+  const Experts& m = s.m;
+  const int64_t d = m.gate_up.first.k;
+  std::vector<int64_t> taken;
+  for (int64_t t = unit * SUM_TOKENS; t < std::min(m.tokens, (unit + 1) * SUM_TOKENS); ++t) {
+    taken.clear();
+    for (int64_t a = t * m.k; a < (t + 1) * m.k; ++a)
+      if (s.sorted_at[a] >= 0) taken.push_back(a);
+    std::sort(taken.begin(), taken.end(), [&](int64_t a, int64_t b) { return s.sorted_at[a] < s.sorted_at[b]; });
+    float* out = m.out + t * d;
+    std::memset(out, 0, d * sizeof(float));
+    for (const int64_t a : taken) {
+      const float w = m.weights[a];
+      const float* y = s.ys + s.sorted_at[a] * d;
+      for (int64_t j = 0; j < d; ++j) out[j] += w * y[j];
+    }
+  }
 }
 
 }  // namespace
@@ -74,7 +110,6 @@ void run_expert(void* arg, int64_t unit) {
 void moe_experts(const Experts& m, Impl product, SwigluImpl swiglu, const Parallel& parallel) {
   const int64_t d = m.gate_up.first.k, f = m.gate_up.first.n / 2, experts = m.gate_up.count;
   const int64_t assignments = m.tokens * m.k;
-  std::memset(m.out, 0, m.tokens * d * sizeof(float));
   // assignments by expert, in their own order within one (as a stable sort): a weight of
   // 0 (a padding row, another pass's expert) contributes nothing and is skipped
   std::vector<int64_t> start(experts + 1, 0), order(assignments);
@@ -94,7 +129,7 @@ void moe_experts(const Experts& m, Impl product, SwigluImpl swiglu, const Parall
   for (int64_t a = 0; a < assignments; ++a)
     if (m.weights[a] != 0.f) order[next[expert_of(a)]++] = a;
 
-  Plan plan{m, product, swiglu, parallel, start, order, std::vector<float>(assignments * d), {}};
+  Plan plan{m, product, swiglu, parallel, start, order, unset_floats(assignments * d), {}};
   if (used > 1 && (widest <= FEW_ROWS || widest * WIDEST_SHARE <= start[experts])) {
     // the experts with most rows first, so the threads finish near together
     plan.by_rows.resize(experts);
@@ -107,12 +142,12 @@ void moe_experts(const Experts& m, Impl product, SwigluImpl swiglu, const Parall
   } else {
     for (int64_t e = 0; e < experts; ++e) run_expert(&plan, e);
   }
-  for (int64_t i = 0; i < start[experts]; ++i) {  // in sorted order, as XLA adds them
-    const int64_t a = order[i];
-    float* out = m.out + a / m.k * d;
-    const float w = m.weights[a];
-    for (int64_t j = 0; j < d; ++j) out[j] += w * plan.ys[i * d + j];
-  }
+  std::vector<int64_t> sorted_at(assignments, -1);
+  for (int64_t i = 0; i < start[experts]; ++i) sorted_at[order[i]] = i;
+  WeightedSum sum{m, plan.ys.get(), sorted_at};
+  const int64_t units = (m.tokens + SUM_TOKENS - 1) / SUM_TOKENS;
+  if (units == 1) weighted_sum(&sum, 0);
+  else parallel.for_each(parallel.pool, units, weighted_sum, &sum);
 }
 
 }  // namespace motet_qmatmul
