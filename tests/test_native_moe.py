@@ -6,11 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_quant import random_blocks
+from test_quant import avx2, random_blocks  # noqa: F401 (avx2: a fixture)
 
 from motet.model import native
 from motet.model.gguf_quants import REPACK
 from motet.model.moe import experts_grouped
+from motet.model.panel_layout import as_panels
 from motet.model.quant import stack
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels were not built")
@@ -50,6 +51,22 @@ def test_the_kernel_equals_the_xla_loop(pair):
         assert kernel.shape == xla.shape == (tokens, pair[2])
         # one row a product runs with x in int16 (1e-4), more rows in float32
         assert np.abs(kernel - xla).max() / np.abs(xla).max() < 1e-4, tokens
+
+
+@pytest.mark.parametrize("held", ["rows", "panels"])
+def test_a_tokens_output_has_the_same_bits_wherever_it_lies_in_the_batch(avx2, held):  # noqa: F811
+    """Each expert's product takes a row the same way at any place among its rows (rows:
+    the integer pairs; panels: widened into them past 16 rows), and each token's
+    weighted sum adds its experts in one order however the tokens are shared out over
+    the threads (80 tokens: three units of kernels/moe.cc's sum)."""
+    gate_up, down = stacks("Q4_K", "Q6_K", 256, 256)
+    if held == "panels":
+        gate_up, down = (jax.device_put(as_panels(jax.device_get(s))) for s in (gate_up, down))
+    x, weights, ids = routing(80, 256, seed=7)
+    run = jax.jit(lambda *a: experts_grouped(*a, block=1, use_native=True))
+    forward = np.asarray(run(x, weights, ids, gate_up, down))
+    backward = np.asarray(run(x[::-1], weights[::-1], ids[::-1], gate_up, down))
+    np.testing.assert_array_equal(forward, backward[::-1])
 
 
 def test_balanced_and_lopsided_routing_both_equal_the_xla_loop():
