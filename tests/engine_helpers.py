@@ -10,9 +10,9 @@ from motet.runtime.api import FinishEvent, TokenEvent
 from motet.runtime.errors import EngineError
 
 # The tiny llama checkpoint (vocab 512, context 512): for tests that need *a* model.
-TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16)
+TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16, prefill_chunk_alone=16)
 # The default model (SmolLM2-135M): one geometry for all its engines.
-SMOL = dict(kv_slots=16, max_context=512, prefill_chunk=64)
+SMOL = dict(kv_slots=16, max_context=512, prefill_chunk=64, prefill_chunk_alone=64)
 
 TIMEOUT = 240  # seconds; a hang fails the test instead of the suite
 

@@ -20,8 +20,8 @@ from motet.http.serve import serve_app
 from motet.runtime.serve_settings import ServeSettings
 
 # as tests/engine_helpers.py, without the warm-up (tests/test_warm_start.py covers it)
-TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16, warm_up=False)
-SMOL = dict(kv_slots=16, max_context=512, prefill_chunk=64, warm_up=False)
+TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16, prefill_chunk_alone=16, warm_up=False)
+SMOL = dict(kv_slots=16, max_context=512, prefill_chunk=64, prefill_chunk_alone=64, warm_up=False)
 TIMEOUT = 240  # seconds; a hang fails the test instead of the suite
 HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
 MUX_CMD = shlex.join(MUX_COMMAND)  # `motet mux`, sharing the tests' compilation cache

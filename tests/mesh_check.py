@@ -175,7 +175,8 @@ async def _engine_turns(model_path: Path, mesh) -> dict:
 
     prompt = np.load(model_path / "golden.npz")["prompt_ids"].tolist()
     prompts = [prompt, prompt[3:], prompt[::-1]]
-    async with Engine(model_path, mesh=mesh, kv_slots=4, max_context=96, prefill_chunk=16) as engine:
+    async with Engine(model_path, mesh=mesh, kv_slots=4, max_context=96, prefill_chunk=16,
+                      prefill_chunk_alone=16) as engine:
         first: dict[int, tuple] = {}
 
         async def one(i):
@@ -354,7 +355,8 @@ async def _tiered_engine(mesh, arch: str = "qwen3_moe") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         half = load_model(path).config.n_experts // 2
         experts = None if mesh is None else ExpertSettings(device_experts_per_layer=half, heat_file=Path(tmp) / "heat.json")
-        async with Engine(path, mesh=mesh, kv_slots=4, max_context=96, prefill_chunk=16, experts=experts) as engine:
+        async with Engine(path, mesh=mesh, kv_slots=4, max_context=96, prefill_chunk=16, prefill_chunk_alone=16,
+                          experts=experts) as engine:
             tokens = [list((await engine.complete(p, max_tokens=6)).token_ids)
                       for p in (prompt, prompt[::-1], prompt[2:])]
             tiers = engine.expert_tiers()

@@ -101,7 +101,7 @@ async def test_the_engine_bursts_to_the_same_tokens_and_ends(tiny_model, monkeyp
     for burst in (1, 4):
         with trio.fail_after(240):
             async with Engine(model, kv_slots=4, max_context=TINY_GEO.max_context, prefill_chunk=16,
-                              decode_burst=burst) as engine:
+                              prefill_chunk_alone=16, decode_burst=burst) as engine:
                 runs = [await engine.complete(prompt, max_tokens=23, seed=42, **SAMPLED),
                         await engine.complete(prompt, max_tokens=23, seed=42, stop_token_ids=[expected[stop_at]],
                                               **SAMPLED),

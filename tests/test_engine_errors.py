@@ -95,7 +95,7 @@ async def test_errors_leave_other_requests_untouched(llama, open_engine, kind):
 async def test_queue_full(llama, open_engine):
     with trio.fail_after(TIMEOUT):
         async with open_engine(llama, kv_slots=1, queue_limit=1, max_context=256,
-                               prefill_chunk=16) as engine:
+                               prefill_chunk=16, prefill_chunk_alone=16) as engine:
             results = {}
 
             async def request(name, prompt, max_tokens, *, task_status=trio.TASK_STATUS_IGNORED):

@@ -18,7 +18,7 @@ import pytest
 import trio
 import trio.testing
 from conftest import mux_engine
-from engine_helpers import SMOL, TIMEOUT, TINY, ids, outputs, run, text
+from engine_helpers import SMOL, TIMEOUT, TINY, consume, ids, outputs, run, text
 
 from motet.engines.engine import Engine
 from motet.runtime.api import StepRouting, Telemetry, TokenEvent
@@ -163,6 +163,38 @@ async def test_greedy_text_is_the_same_in_process_and_through_mux(llama):
                              for c in alone + together]
     assert results["mux"] == results["engine"]
     assert all(r[1] == 20 for r in results["engine"])
+
+
+async def test_a_prompt_alone_is_read_in_longer_chunks_than_beside_running_streams(llama):
+    first, second = (tuple(np.random.default_rng(seed).integers(3, 512, size=100).tolist()) for seed in (8, 9))
+    geometry = dict(TINY, prefill_chunk_alone=64, decode_burst=1)  # a decode call: one step
+
+    def chunks(events) -> list[int]:  # the prompt's device calls: more rows than the decodes' 1 or 2
+        return [e.tokens for e in events if isinstance(e, StepRouting) and e.tokens > 2]
+
+    with trio.fail_after(TIMEOUT):
+        async with Engine(llama, **geometry) as engine:
+            channel = await engine.telemetry(buffer=1024)
+            await run(engine, first, max_tokens=4)
+            await trio.testing.wait_all_tasks_blocked()
+            assert chunks(drain_nowait(channel)) == [64, 36]
+
+            log = []
+            async with trio.open_nursery() as nursery:
+                ready = await nursery.start(partial(consume, engine, "a running stream", log, max_tokens=60))
+                await ready.wait()
+                drain_nowait(channel)
+                await run(engine, second, max_tokens=4)
+            await trio.testing.wait_all_tasks_blocked()
+            assert chunks(drain_nowait(channel)) == [16] * 6 + [4]
+    assert log[-1].stats.finish_reason == "length"  # it ran on while the second prompt was read
+
+
+@pytest.mark.parametrize("chunks", [dict(prefill_chunk=100), dict(prefill_chunk_alone=8)])
+def test_the_engine_refuses_a_prefill_chunk_that_is_no_power_of_two_from_16(chunks):
+    name, value = next(iter(chunks.items()))
+    with pytest.raises(ValueError, match=f"{name} must be a power of two >= 16, got {value}"):
+        Engine(**chunks)
 
 
 # ---- 3. telemetry ------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from motet.protocol import mux
 from motet.runtime.config import ExpertSettings
 
 # no warm-up: tests/test_warm_start.py and tests/test_mesh.py cover the tiered one
-TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16, warm_up=False)
+TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16, prefill_chunk_alone=16, warm_up=False)
 TIMEOUT = 240
 PROMPTS = ("the sea is", "rivers run to", "once upon a time there was a")
 

@@ -91,7 +91,7 @@ async def test_a_loaded_engine_keeps_serving_when_its_model_files_are_gone(tmp_p
     model_dir = tmp_path / "llama"
     shutil.copytree(GOLDEN / "llama", model_dir)
     model = load_model(model_dir)  # as `motet serve --model` loads it, before serving
-    engine_kw = {"kv_slots": 2, "max_context": 256, "prefill_chunk": 16}
+    engine_kw = {"kv_slots": 2, "max_context": 256, "prefill_chunk": 16, "prefill_chunk_alone": 16}
     async with tiny_server(model, engine_kw) as (engine, url), httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as http:
         shutil.rmtree(model_dir)
         chat = await http.post("/v1/chat/completions", json={**LONG, "max_tokens": 4})

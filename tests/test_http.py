@@ -318,7 +318,7 @@ async def test_tiered_experts_agree_across_metrics_and_the_expert_map(tiny_model
     """A MoE model served with 2 experts per layer on the device: /metrics' experts per
     tier and /experts' map tell the same story, and answering moves experts."""
     experts = ExpertSettings(device_experts_per_layer=2, heat_file=tmp_path / "heat")
-    engine_kw = dict(kv_slots=2, max_context=256, prefill_chunk=16, experts=experts)
+    engine_kw = dict(kv_slots=2, max_context=256, prefill_chunk=16, prefill_chunk_alone=16, experts=experts)
     async with engine_server(tiny_model("olmoe"), engine_kw) as (engine, url):
         async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as client:
             r = await client.post("/v1/completions", json={"model": "m", "prompt": "the sea", "max_tokens": 12,

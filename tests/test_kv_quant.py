@@ -112,7 +112,7 @@ def test_an_8_bit_cache_stays_near_the_float32_one(tiny_model, arch):
 
 async def test_tiered_experts_answer_as_resident_ones_over_an_int8_cache(tiny_model, tmp_path):
     model = tiny_model("qwen3_moe")
-    geometry = dict(kv_slots=2, max_context=256, prefill_chunk=16, warm_up=False, kv_dtype="int8")
+    geometry = dict(kv_slots=2, max_context=256, prefill_chunk=16, prefill_chunk_alone=16, warm_up=False, kv_dtype="int8")
     prompt = "once upon a time there was a"
     tiered = ExpertSettings(device_experts_per_layer=model.config.n_experts_per_tok, ram_gb=0.0001,
                             heat_file=tmp_path / "heat.json")

@@ -16,7 +16,7 @@ from motet.runtime.api import Grammar
 from motet.runtime.config import ExpertSettings
 from motet.runtime.errors import BadRequest
 
-TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16, warm_up=False)
+TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16, prefill_chunk_alone=16, warm_up=False)
 TIMEOUT = 240
 NEW = 16
 # (prompt, penalties): one batch of rows, each its own mix

@@ -164,7 +164,7 @@ async def test_the_engine_draws_what_the_plain_generator_draws(tiny_model, arch)
     prompt = prompt_of(model, 11, 3)
     expected = list(generate(model, prompt, max_tokens=20, seed=42, **SAMPLED))
     with trio.fail_after(240):
-        async with Engine(model, kv_slots=4, max_context=TINY_GEO.max_context, prefill_chunk=16) as engine:
+        async with Engine(model, kv_slots=4, max_context=TINY_GEO.max_context, prefill_chunk=16, prefill_chunk_alone=16) as engine:
             alone = await engine.complete(prompt, max_tokens=20, seed=42, **SAMPLED)
             together = {}
 
@@ -232,7 +232,7 @@ async def test_n_choices_draw_what_each_seed_draws_alone_from_one_prefill(tiny_m
         return got, [finish.stats for finish in choices.finishes]
 
     with trio.fail_after(240):
-        async with Engine(model, kv_slots=4, max_context=TINY_GEO.max_context, prefill_chunk=16) as engine:
+        async with Engine(model, kv_slots=4, max_context=TINY_GEO.max_context, prefill_chunk=16, prefill_chunk_alone=16) as engine:
             got, stats = await run(engine, seed=42, **SAMPLED)
             assert got == expected
             assert len({tuple(tokens) for tokens in got}) > 1
@@ -245,7 +245,7 @@ async def test_n_choices_draw_what_each_seed_draws_alone_from_one_prefill(tiny_m
                     break
             while engine.statistics().running:
                 await trio.sleep(0.01)
-        async with Engine(model, kv_slots=2, max_context=TINY_GEO.max_context, prefill_chunk=16) as engine:
+        async with Engine(model, kv_slots=2, max_context=TINY_GEO.max_context, prefill_chunk=16, prefill_chunk_alone=16) as engine:
             got, stats = await run(engine)
             assert got == [greedy] * 3
             assert [s.reused_tokens for s in stats] == [0, len(prompt), len(prompt) - 1]

@@ -14,7 +14,7 @@ from conftest import mux_engine
 from motet.engines.engine import Engine
 from motet.runtime.api import TokenEvent
 
-TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16, warm_up=False)
+TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16, prefill_chunk_alone=16, warm_up=False)
 TIMEOUT = 240
 
 

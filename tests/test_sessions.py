@@ -14,7 +14,7 @@ from motet.engines.engine import Engine
 from motet.protocol.session_file import SessionError
 from motet.runtime.errors import SlotBusy
 
-TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16)
+TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16, prefill_chunk_alone=16)
 TIMEOUT = 240
 PROMPT = tuple(range(5, 70))  # token ids: the tiny models' vocab is 512
 

@@ -34,7 +34,7 @@ def check(report: dict, requests: int) -> None:
 
 async def test_soak_the_in_process_engine(tiny_model):
     with trio.fail_after(TIMEOUT):
-        async with Engine(tiny_model("llama"), **GEOMETRY, prefill_chunk=16) as engine:
+        async with Engine(tiny_model("llama"), **GEOMETRY, prefill_chunk=16, prefill_chunk_alone=16) as engine:
             report = await soak(engine, ServeSettings(**SETTINGS), requests=40, concurrency=6, seed=1,
                                 max_tokens=24, rss_tolerance_mib=RSS_TOLERANCE_MIB)
     check(report, 40)

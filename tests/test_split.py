@@ -160,7 +160,7 @@ async def test_cancel_during_a_handover_ends_the_request_and_frees_its_slots(tin
         await trio.sleep_forever()
 
     prompt = tuple(range(5, 70))  # token ids
-    engines = partial(Engine, tiny_model("llama"), kv_slots=2, max_context=256, prefill_chunk=16)
+    engines = partial(Engine, tiny_model("llama"), kv_slots=2, max_context=256, prefill_chunk=16, prefill_chunk_alone=16)
     with trio.fail_after(TIMEOUT):
         async with SplitEngine(engines, engines, SplitSettings(min_prompt_tokens=MIN), before_restore=park) as split:
             outcome = []
@@ -196,7 +196,7 @@ async def test_a_decode_engine_that_cannot_start_fails_the_start_and_leaves_no_f
 
 async def test_a_prefill_engine_that_cannot_start_leaves_the_decode_engine_serving(tiny_model, tmp_path):
     prompt = tuple(range(5, 70))
-    decode = partial(Engine, tiny_model("llama"), kv_slots=2, max_context=256, prefill_chunk=16)
+    decode = partial(Engine, tiny_model("llama"), kv_slots=2, max_context=256, prefill_chunk=16, prefill_chunk_alone=16)
     with trio.fail_after(TIMEOUT):
         async with SplitEngine(partial(Engine, tmp_path / "missing"), decode,
                                SplitSettings(min_prompt_tokens=MIN)) as split:

@@ -20,8 +20,8 @@ from motet.runtime.api import MAX_GRAMMAR_CHARS, Grammar
 from motet.runtime.config import ExpertSettings
 from motet.runtime.errors import BadRequest
 
-SMOL = dict(kv_slots=4, max_context=512, prefill_chunk=64, warm_up=False)
-TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16, warm_up=False)
+SMOL = dict(kv_slots=4, max_context=512, prefill_chunk=64, prefill_chunk_alone=64, warm_up=False)
+TINY = dict(kv_slots=4, max_context=256, prefill_chunk=16, prefill_chunk_alone=16, warm_up=False)
 TIMEOUT = 240
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "languages"],
           "properties": {"name": {"type": "string", "maxLength": 20},

@@ -131,7 +131,7 @@ async def check_every_path_is_warm(engine: Engine, folder) -> None:
 
 async def test_resident_moe_serves_every_shape_warm(tiny_model, tmp_path):
     # 4 slots: the burst's other requests wait for one, and batches of 1, 2 and 4 run
-    async with Engine(tiny_model("qwen3_moe"), kv_slots=4, max_context=CONTEXT, prefill_chunk=64) as engine:
+    async with Engine(tiny_model("qwen3_moe"), kv_slots=4, max_context=CONTEXT, prefill_chunk=64, prefill_chunk_alone=64) as engine:
         await check_every_path_is_warm(engine, tmp_path)
 
 
@@ -139,7 +139,7 @@ async def test_tiered_experts_serve_every_shape_warm(tiny_model, tmp_path):
     """Tiered: the layer pieces, the one-jit steps over the pools and every expert move
     size are compiled at start, and no expert moved for it: the pool is as an engine
     that skips the warm-up has it."""
-    settings = dict(kv_slots=4, max_context=CONTEXT, prefill_chunk=32)
+    settings = dict(kv_slots=4, max_context=CONTEXT, prefill_chunk=32, prefill_chunk_alone=32)
     experts = partial(ExpertSettings, device_experts_per_layer=2)
     async with Engine(tiny_model("olmoe"), warm_up=False, experts=experts(heat_file=tmp_path / "a"),
                       **settings) as cold:

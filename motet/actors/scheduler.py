@@ -2,7 +2,9 @@
 decode step after another across the KV slots.
 
 One loop iteration: take messages (submits, cancels) → run one prefill chunk if a
-prompt is waiting → run one decode step for every decoding request → emit events.
+prompt is waiting (the geometry's longest chunk while no stream decodes, else
+chunk_beside_decodes: each stream waits for a chunk) → run one decode step for every
+decoding request → emit events.
 Device work runs in one worker thread so the event loop stays responsive; a cancel or a
 new submit takes effect at the next step boundary.
 """
@@ -17,13 +19,7 @@ import trio
 
 from ..model.detokenizer import IncrementalDetokenizer
 from ..runtime.actor import open_inbox, open_reply
-from ..runtime.api import (
-    EngineStatistics,
-    FinishEvent,
-    FinishReason,
-    TokenEvent,
-    TopCandidate,
-)
+from ..runtime.api import EngineStatistics, FinishEvent, FinishReason, TokenEvent, TopCandidate
 from ..runtime.errors import QueueFull
 from ..runtime.slot_table import SlotTable
 from .active_request import Active, end_unstarted, tell
@@ -43,7 +39,8 @@ log = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, slots: list[KVSlot], queue_limit: int,
-                 experts: ExpertCache | None = None, share_prefixes: bool = True, prefix_store_bytes: int = 0):
+                 experts: ExpertCache | None = None, share_prefixes: bool = True, prefix_store_bytes: int = 0,
+                 chunk_beside_decodes: int | None = None):
         self.runner = runner
         self.experts = experts
         self.tokenizer = runner.model.tokenizer
@@ -54,7 +51,8 @@ class Scheduler:
         self.table: SlotTable[Submit | Transfer] = SlotTable(len(slots), queue_limit)
         self.max_context = runner.geo.max_context
         self.publisher = Publisher(runner, experts)
-        self.chunk = runner.geo.chunk
+        self.chunk_alone = runner.geo.chunk
+        self.chunk_beside_decodes = min(chunk_beside_decodes or self.chunk_alone, self.chunk_alone)
         self.inbox = open_inbox()
         self.active: dict[int, Active] = {}
         self.prefilling: deque[int] = deque()
@@ -222,7 +220,8 @@ class Scheduler:
     async def _prefill_chunk(self):
         act = self.active[self.prefilling[0]]
         prompt = act.submit.prompt
-        chunk = list(prompt[act.cursor : min(act.cursor + self.chunk, act.target)])
+        size = self.chunk_beside_decodes if self.decoding else self.chunk_alone
+        chunk = list(prompt[act.cursor : min(act.cursor + size, act.target)])
         last = act.cursor + len(chunk) == act.target
         started, sampling = time.perf_counter(), self.runner.sample_seconds
         forks = await self._take_fork_slots(act) if last and not act.request.prefill_only else []

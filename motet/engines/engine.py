@@ -48,13 +48,11 @@ from ..runtime.errors import EngineClosed, NotFound
 from ..runtime.experts import HITS_EVERY, ExpertMap, turn_entropy
 from ..runtime.service import Service
 from . import sessions, tokens
-from .engine_args import MAX_SLOTS, check_engine_arguments
+from .engine_args import MAX_SLOTS, PREFILL_CHUNK, PREFILL_CHUNK_ALONE, check_engine_arguments
 from .experts_plan import plan_engine_experts
 from .submission import submit_of, submitted
 
 log = logging.getLogger(__name__)
-
-PREFILL_CHUNK = 256  # tokens a prefill step reads at most (running decodes get a step between chunks)
 
 
 class Engine(Service, Collected):
@@ -68,6 +66,7 @@ class Engine(Service, Collected):
         kv_dtype: str = "auto",
         activations: str | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
+        prefill_chunk_alone: int = PREFILL_CHUNK_ALONE,
         queue_limit: int = 64,
         experts: ExpertSettings | None = None,
         mesh: MeshSpec | str | None = None,
@@ -101,9 +100,12 @@ class Engine(Service, Collected):
         from a device copy of it when that beats reading it (the warm-up times both).
         prefix_cache_gb: host RAM for prefixes pushed out of the slots, written back into
         a slot when a prompt starts with one (0: none kept).
+        prefill_chunk, prefill_chunk_alone: the most tokens of a prompt a prefill step reads
+        while other streams decode (each takes a step between chunks), and while none does.
         decode_burst: the most decode steps of one stream a device call takes (1 to 16) while
         no other request waits and it samples plainly: its tokens arrive that many at a time."""
-        check_engine_arguments(kv_slots, kv_dtype, activations, prefill_chunk, decode_burst, prefix_cache_gb)
+        check_engine_arguments(kv_slots, kv_dtype, activations, prefill_chunk, prefill_chunk_alone, decode_burst,
+                               prefix_cache_gb)
         self._model_arg = model
         self.kv_slots = kv_slots
         self.max_context = max_context
@@ -111,6 +113,7 @@ class Engine(Service, Collected):
         self.kv_dtype = kv_dtype
         self.activations = activations
         self.prefill_chunk = prefill_chunk
+        self.prefill_chunk_alone = max(prefill_chunk_alone, prefill_chunk)
         self.queue_limit = queue_limit
         self.expert_settings = experts or ExpertSettings()
         self.mesh = None if mesh is None else MeshSpec.of(mesh)
@@ -152,7 +155,7 @@ class Engine(Service, Collected):
     async def _start(self, nursery: trio.Nursery, clock: StartupClock) -> None:
         self.model = await trio.to_thread.run_sync(self._load)
         context = min(self.max_context, self.model.config.max_context)
-        geo = KVGeometry(n_slots=self.kv_slots, max_context=context, chunk=self.prefill_chunk)
+        geo = KVGeometry(n_slots=self.kv_slots, max_context=context, chunk=self.prefill_chunk_alone)
         expert_plan, policy = await trio.to_thread.run_sync(self._plan_experts)
         runner = await trio.to_thread.run_sync(
             partial(ModelRunner, self.model, geo, expert_plan,
@@ -172,7 +175,7 @@ class Engine(Service, Collected):
         for slot in slots:
             await nursery.start(slot.run)
         self._scheduler = Scheduler(runner, slots, self.queue_limit, self._expert_cache, self.share_prefixes,
-                                    self.prefix_store_bytes)
+                                    self.prefix_store_bytes, chunk_beside_decodes=self.prefill_chunk)
         await nursery.start(self._scheduler.run)
         self._experts = ExpertMap.for_model(self.model.config)
         self._experts.set_tiers(runner.expert_tiers())

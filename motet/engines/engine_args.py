@@ -9,10 +9,13 @@ from ..runtime.config import MAX_BURST, Activations
 from ..runtime.kv_format import KV_DTYPE_CHOICES
 
 MAX_SLOTS = 16
+PREFILL_CHUNK = 256  # tokens a prompt's prefill step reads at most while streams decode (each waits for a chunk)
+# ... and while none does: an expert's weights then serve twice the rows a read (README, "Prefill chunks")
+PREFILL_CHUNK_ALONE = 512
 
 
 def check_engine_arguments(kv_slots: int, kv_dtype: str, activations: str | None, prefill_chunk: int,
-                           decode_burst: int, prefix_cache_gb: float) -> None:
+                           prefill_chunk_alone: int, decode_burst: int, prefix_cache_gb: float) -> None:
     if not 1 <= kv_slots <= MAX_SLOTS:
         raise ValueError(f"kv_slots must be in [1, {MAX_SLOTS}], got {kv_slots}")
     if kv_dtype not in KV_DTYPE_CHOICES:
@@ -20,8 +23,9 @@ def check_engine_arguments(kv_slots: int, kv_dtype: str, activations: str | None
     if activations is not None and activations not in get_args(Activations):
         raise ValueError(f"activations must be one of {', '.join(get_args(Activations))} or None, "
                          f"got {activations!r}")
-    if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
-        raise ValueError(f"prefill_chunk must be a power of two >= 16, got {prefill_chunk}")
+    for name, chunk in (("prefill_chunk", prefill_chunk), ("prefill_chunk_alone", prefill_chunk_alone)):
+        if chunk < 16 or chunk & (chunk - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {chunk}")
     if not 1 <= decode_burst <= MAX_BURST:
         raise ValueError(f"decode_burst must be in [1, {MAX_BURST}], got {decode_burst}")
     if prefix_cache_gb < 0:
