@@ -21,6 +21,7 @@ from conftest import mux_engine
 from engine_helpers import SMOL, TIMEOUT, TINY, consume, ids, outputs, run, text
 
 from motet.engines.engine import Engine
+from motet.engines.engine_args import lone_prompt_chunk
 from motet.runtime.api import StepRouting, Telemetry, TokenEvent
 from motet.runtime.errors import BadRequest, EngineClosed
 
@@ -188,6 +189,22 @@ async def test_a_prompt_alone_is_read_in_longer_chunks_than_beside_running_strea
             await trio.testing.wait_all_tasks_blocked()
             assert chunks(drain_nowait(channel)) == [16] * 6 + [4]
     assert log[-1].stats.finish_reason == "length"  # it ran on while the second prompt was read
+
+
+async def test_by_default_only_a_model_with_routed_experts_reads_a_lone_prompt_in_longer_chunks(tiny_model):
+    prompt = tuple(np.random.default_rng(10).integers(3, 500, size=100).tolist())
+    read_as = {}
+    with trio.fail_after(TIMEOUT):
+        for arch in ("llama", "qwen3_moe"):  # TINY's chunks of 16, without its prefill_chunk_alone
+            async with Engine(tiny_model(arch), kv_slots=2, max_context=256, prefill_chunk=16, warm_up=False) as engine:
+                channel = await engine.telemetry(buffer=1024)
+                await run(engine, prompt, max_tokens=1)
+                await trio.testing.wait_all_tasks_blocked()
+                read_as[arch] = [e.tokens for e in drain_nowait(channel) if isinstance(e, StepRouting)]
+    assert read_as == {"llama": [16] * 6 + [4], "qwen3_moe": [100]}
+    assert lone_prompt_chunk(None, 256, routed_experts=True) == 512
+    assert lone_prompt_chunk(None, 256, routed_experts=False) == 256
+    assert lone_prompt_chunk(128, 256, routed_experts=True) == 256  # never below prefill_chunk
 
 
 @pytest.mark.parametrize("chunks", [dict(prefill_chunk=100), dict(prefill_chunk_alone=8)])

@@ -27,7 +27,7 @@ def open_model(settings: ModelSettings, lazy_experts: bool = False):
 
 def cmd_info(config: Config) -> int:
     from ..actors.warmup import WarmupPlan
-    from ..engines.engine_args import PREFILL_CHUNK, PREFILL_CHUNK_ALONE
+    from ..engines.engine_args import PREFILL_CHUNK, lone_prompt_chunk
     from ..model.kv import KVGeometry, kv_bytes_per_position
     from ..model.loader import kernel_name
 
@@ -43,13 +43,14 @@ def cmd_info(config: Config) -> int:
     lines.append(f"bytes read per decode token: {info['decode_bytes'] / 1e6:.1f} MB of weights")
     slots = config.kv_slots
     context = min(config.model.max_context or 4096, model.config.max_context)
-    geo = KVGeometry(n_slots=slots, max_context=context, chunk=PREFILL_CHUNK_ALONE)
+    alone = lone_prompt_chunk(None, PREFILL_CHUNK, any(model.config.moe_layers))
+    geo = KVGeometry(n_slots=slots, max_context=context, chunk=alone)
     per_position = kv_bytes_per_position(model.config, model.kv_dtype)
     kv_mb = per_position * geo.length * (slots + 1) / 1e6
     lines.append(f"KV cache: {model.kv_dtype}, {per_position:,} bytes a position; {slots} slots of {context} "
                  f"(and a scratch slot, {geo.length} positions each): {kv_mb:.1f} MB")
-    lines.append(f"compiled before ready ({slots} KV slots, context {context}, prefill chunks of up to "
-                 f"{PREFILL_CHUNK_ALONE}, {PREFILL_CHUNK} while streams decode; experts resident):")
+    lines.append(f"compiled before ready ({slots} KV slots, context {context}, prefill chunks of up to {alone}, "
+                 f"{PREFILL_CHUNK} while streams decode; experts resident):")
     lines += [f"  {line}" for line in WarmupPlan.of(geo, burst=config.decode_burst).describe()]
     sys.stdout.write("\n".join(lines) + "\n")  # the answer the user asked for, as chat's is
     return 0

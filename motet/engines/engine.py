@@ -48,7 +48,7 @@ from ..runtime.errors import EngineClosed, NotFound
 from ..runtime.experts import HITS_EVERY, ExpertMap, turn_entropy
 from ..runtime.service import Service
 from . import sessions, tokens
-from .engine_args import MAX_SLOTS, PREFILL_CHUNK, PREFILL_CHUNK_ALONE, check_engine_arguments
+from .engine_args import MAX_SLOTS, PREFILL_CHUNK, check_engine_arguments, lone_prompt_chunk
 from .experts_plan import plan_engine_experts
 from .submission import submit_of, submitted
 
@@ -66,7 +66,7 @@ class Engine(Service, Collected):
         kv_dtype: str = "auto",
         activations: str | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
-        prefill_chunk_alone: int = PREFILL_CHUNK_ALONE,
+        prefill_chunk_alone: int | None = None,
         queue_limit: int = 64,
         experts: ExpertSettings | None = None,
         mesh: MeshSpec | str | None = None,
@@ -100,8 +100,8 @@ class Engine(Service, Collected):
         from a device copy of it when that beats reading it (the warm-up times both).
         prefix_cache_gb: host RAM for prefixes pushed out of the slots, written back into
         a slot when a prompt starts with one (0: none kept).
-        prefill_chunk, prefill_chunk_alone: the most tokens of a prompt a prefill step reads
-        while other streams decode (each takes a step between chunks), and while none does.
+        prefill_chunk, prefill_chunk_alone: the most tokens of a prompt a prefill step reads while
+        other streams decode (each waits for a chunk), and while none does (None: engine_args's rule).
         decode_burst: the most decode steps of one stream a device call takes (1 to 16) while
         no other request waits and it samples plainly: its tokens arrive that many at a time."""
         check_engine_arguments(kv_slots, kv_dtype, activations, prefill_chunk, prefill_chunk_alone, decode_burst,
@@ -113,7 +113,7 @@ class Engine(Service, Collected):
         self.kv_dtype = kv_dtype
         self.activations = activations
         self.prefill_chunk = prefill_chunk
-        self.prefill_chunk_alone = max(prefill_chunk_alone, prefill_chunk)
+        self.prefill_chunk_alone = prefill_chunk_alone
         self.queue_limit = queue_limit
         self.expert_settings = experts or ExpertSettings()
         self.mesh = None if mesh is None else MeshSpec.of(mesh)
@@ -155,7 +155,8 @@ class Engine(Service, Collected):
     async def _start(self, nursery: trio.Nursery, clock: StartupClock) -> None:
         self.model = await trio.to_thread.run_sync(self._load)
         context = min(self.max_context, self.model.config.max_context)
-        geo = KVGeometry(n_slots=self.kv_slots, max_context=context, chunk=self.prefill_chunk_alone)
+        alone = lone_prompt_chunk(self.prefill_chunk_alone, self.prefill_chunk, any(self.model.config.moe_layers))
+        geo = KVGeometry(n_slots=self.kv_slots, max_context=context, chunk=alone)
         expert_plan, policy = await trio.to_thread.run_sync(self._plan_experts)
         runner = await trio.to_thread.run_sync(
             partial(ModelRunner, self.model, geo, expert_plan,
@@ -226,8 +227,7 @@ class Engine(Service, Collected):
     def _plan_experts(self) -> tuple[ExpertPlan, ExpertPolicy | None]:
         """Resident or tiered, and the policy that keeps the heat (None for a dense
         model). A budget too small for the model raises ValueError here."""
-        self.expert_plan, self.heat_file, policy = plan_engine_experts(
-            self._loaded(), self.expert_settings)
+        self.expert_plan, self.heat_file, policy = plan_engine_experts(self._loaded(), self.expert_settings)
         return self.expert_plan, policy
 
     def _loaded(self) -> Model:
