@@ -207,7 +207,7 @@ async def test_by_default_only_a_model_with_routed_experts_reads_a_lone_prompt_i
     assert lone_prompt_chunk(128, 256, routed_experts=True) == 256  # never below prefill_chunk
 
 
-@pytest.mark.parametrize("chunks", [dict(prefill_chunk=100), dict(prefill_chunk_alone=8)])
+@pytest.mark.parametrize("chunks", [dict(prefill_chunk=100), dict(prefill_chunk_alone=8), dict(prefill_chunk_alone=0)])
 def test_the_engine_refuses_a_prefill_chunk_that_is_no_power_of_two_from_16(chunks):
     name, value = next(iter(chunks.items()))
     with pytest.raises(ValueError, match=f"{name} must be a power of two >= 16, got {value}"):

@@ -32,8 +32,8 @@ def check_engine_arguments(kv_slots: int, kv_dtype: str, activations: str | None
     if activations is not None and activations not in get_args(Activations):
         raise ValueError(f"activations must be one of {', '.join(get_args(Activations))} or None, "
                          f"got {activations!r}")
-    for name, chunk in (("prefill_chunk", prefill_chunk), ("prefill_chunk_alone", prefill_chunk_alone or 16)):
-        if chunk < 16 or chunk & (chunk - 1):
+    for name, chunk in (("prefill_chunk", prefill_chunk), ("prefill_chunk_alone", prefill_chunk_alone)):
+        if chunk is not None and (chunk < 16 or chunk & (chunk - 1)):
             raise ValueError(f"{name} must be a power of two >= 16, got {chunk}")
     if not 1 <= decode_burst <= MAX_BURST:
         raise ValueError(f"decode_burst must be in [1, {MAX_BURST}], got {decode_burst}")
