@@ -39,8 +39,8 @@ log = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, slots: list[KVSlot], queue_limit: int,
-                 experts: ExpertCache | None = None, share_prefixes: bool = True, prefix_store_bytes: int = 0,
-                 chunk_beside_decodes: int | None = None):
+                 experts: ExpertCache | None = None, share_prefixes: bool = True, prefix_store_bytes: int = 0, *,
+                 chunk_beside_decodes: int):
         self.runner = runner
         self.experts = experts
         self.tokenizer = runner.model.tokenizer
@@ -52,7 +52,7 @@ class Scheduler:
         self.max_context = runner.geo.max_context
         self.publisher = Publisher(runner, experts)
         self.chunk_alone = runner.geo.chunk
-        self.chunk_beside_decodes = min(chunk_beside_decodes or self.chunk_alone, self.chunk_alone)
+        self.chunk_beside_decodes = chunk_beside_decodes  # at most chunk_alone (engine_args.lone_prompt_chunk)
         self.inbox = open_inbox()
         self.active: dict[int, Active] = {}
         self.prefilling: deque[int] = deque()
