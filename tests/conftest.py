@@ -15,7 +15,7 @@ import pytest
 
 from motet.model.compilation import use_compile_cache
 from motet.model.kv import KVGeometry
-from motet.model.native import INSTRUCTION_SETS
+from motet.model.native import INSTRUCTION_SETS, READ_PANELS
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -43,19 +43,31 @@ MUX_COMMAND = (sys.executable, "-m", "motet", "mux", "--compile-cache", str(COMP
 TINY_GEO = KVGeometry(n_slots=16, max_context=112, chunk=16)
 
 
-@pytest.fixture(params=INSTRUCTION_SETS)
-def isa(request):
-    """Each instruction set of the native kernels this CPU has, in turn (the best one
-    again afterwards)."""
+def chosen_kernels(name: str):
+    """The native kernels of instruction set `name` for a test (skipped where the CPU
+    lacks it), the best ones again after it."""
     from motet.model import native
 
     if not native.available():
         pytest.skip("the native kernels were not built")
     best = native.instruction_set()
-    if not native.select_instruction_set(request.param):
-        pytest.skip(f"this CPU has no {request.param}")
-    yield request.param
+    if not native.select_instruction_set(name):
+        pytest.skip(f"this CPU has no {name}")
+    yield name
     native.select_instruction_set(best)
+
+
+@pytest.fixture(params=INSTRUCTION_SETS)
+def isa(request):
+    """Each instruction set of the native kernels this CPU has, in turn."""
+    yield from chosen_kernels(request.param)
+
+
+@pytest.fixture(params=READ_PANELS)
+def panel_isa(request):
+    """Each instruction set whose kernels read panels (AVX2's, AVX-512 VNNI's) that this
+    CPU has, in turn, chosen before the test loads anything (a load holds panels by it)."""
+    yield from chosen_kernels(request.param)
 
 
 def metric(text: str, name: str, **labels) -> float:

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_quant import avx2, random_blocks  # noqa: F401 (avx2: a fixture)
+from test_quant import random_blocks
 
 from motet.model import native
 from motet.model.gguf_quants import REPACK
@@ -54,7 +54,7 @@ def test_the_kernel_equals_the_xla_loop(pair):
 
 
 @pytest.mark.parametrize("held", ["rows", "panels"])
-def test_a_tokens_output_has_the_same_bits_wherever_it_lies_in_the_batch(avx2, held):  # noqa: F811
+def test_a_tokens_output_has_the_same_bits_wherever_it_lies_in_the_batch(panel_isa, held):
     """Each expert's product takes a row the same way at any place among its rows (rows:
     the integer pairs; panels: widened into them past 16 rows), and each token's
     weighted sum adds its experts in one order however the tokens are shared out over

@@ -1,7 +1,8 @@
-"""Q6_K, Q5_K, Q4_K, Q4_1 and Q4_0 matrices held as the AVX2 kernels' panels of 16 rows
-(p8, p4: panel_layout.py, panels.py): the file's values, scales and mins reordered in the
-same bytes, and products exact on x as rounded at any number of rows, x in int8 or on 16
-bits (two planes of bytes up to 16 rows, int16 pairs past them)."""
+"""Q6_K, Q5_K, Q4_K, Q4_1 and Q4_0 matrices held as the integer kernels' panels of 16
+rows (p8, p4: panel_layout.py, panels.py): the file's values, scales and mins reordered
+in the same bytes, and products exact on x as rounded at any number of rows, x in int8
+or on 16 bits (two planes of bytes up to 16 rows, int16 pairs past them), by AVX2's
+kernels and by AVX-512 VNNI's, which give AVX2's bits."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from test_expert_tiers import long_prompt, resident_run, tiered_run
 from test_int8_activations import int8_reference, k_mix_file  # noqa: F401 (k_mix_file: a fixture)
-from test_quant import avx2, dequantize_host, random_blocks  # noqa: F401 (avx2: a fixture)
+from test_quant import dequantize_host, random_blocks
 
 from motet.model import load_model, native
 from motet.model.expert_pool import ExpertPool
@@ -79,7 +80,7 @@ def test_where_panels_put_each_value():
 
 @pytest.mark.parametrize("bits", [8, 16])
 @pytest.mark.parametrize("make", [q6_k, q5_k, q4_k, q4_1, q4_0])
-def test_panel_products_are_exact_on_x_as_rounded_at_any_number_of_rows(avx2, make, bits):  # noqa: F811
+def test_panel_products_are_exact_on_x_as_rounded_at_any_number_of_rows(panel_isa, make, bits):
     """One row (a decode step), a few, a 16-row step and a prefill's many: each the
     float64 product of x as the kernel rounds it (int8, or 16 bits: split into two bytes,
     or whole past 16 rows, where the panels are widened into int16 pairs);
@@ -100,7 +101,7 @@ def test_panel_products_are_exact_on_x_as_rounded_at_any_number_of_rows(avx2, ma
 
 
 @pytest.mark.parametrize("make", [q6_k, q5_k, q4_k, q4_1, q4_0])
-def test_a_stack_of_experts_in_panels_gives_each_experts_product(avx2, make):  # noqa: F811
+def test_a_stack_of_experts_in_panels_gives_each_experts_product(panel_isa, make):
     """A MoE layer's experts, [E, N, K]: each expert's matrix in panels of its own, read
     in place by the stacked product (and likewise by the experts' kernel)."""
     experts = [make(32, 256, seed=e) for e in range(3)]
@@ -117,22 +118,46 @@ def test_a_stack_of_experts_in_panels_gives_each_experts_product(avx2, make):  #
                 assert np.abs(got - want).max() / np.abs(want).max() < 1e-5, (bits, e, m)
 
 
-def test_the_kernels_refuse_panels_where_they_do_not_read_them(avx2):  # noqa: F811
+def test_the_kernels_refuse_panels_where_they_do_not_read_them(panel_isa):
     panels = jax.device_put(as_panels(q6_k(32, 256)))
     x = np.ones((1, 256), np.float32)
     with pytest.raises(Exception, match="in 16-row panels"):  # Q8_0's blocks do not go in panels
         q8_0 = REPACK["Q8_0"](random_blocks("Q8_0", 32, 256))
         qmatmul(x, jax.device_put(replace(q8_0, layout="p8")), use_native=True).block_until_ready()
-    best = native.instruction_set()
-    assert native.select_instruction_set("base")
     try:
-        with pytest.raises(Exception, match="panels are read by the AVX2 kernels only"):
-            qmatmul(x, panels, use_native=True).block_until_ready()
+        for other in ("avx512", "base"):  # the kernels that read rows
+            if native.select_instruction_set(other):
+                with pytest.raises(Exception, match="panels are read by the AVX2 and AVX-512 VNNI kernels only"):
+                    qmatmul(x, panels, use_native=True).block_until_ready()
+    finally:
+        native.select_instruction_set(panel_isa)
+
+
+@pytest.mark.parametrize("make", [q6_k, q5_k, q4_k, q4_1, q4_0])
+def test_avx512_vnni_gives_the_bits_avx2_gives_over_panels(make):
+    """The same rounding of x and the same float sums in 512 bits: every output the same
+    bits, for both widths of x, at every count of rows (the byte planes, the int16 pairs
+    past 16 rows, and int8's other order of factors there)."""
+    best = native.instruction_set()
+    if not (native.available() and native.select_instruction_set("avx512vnni")):
+        pytest.skip("this CPU has no avx512vnni")
+    w = make(96, 512)
+    rng = np.random.default_rng(8)
+    try:
+        for bits in (8, 16):
+            panels = jax.device_put(replace(as_panels(w), x_bits=bits))
+            for m in (1, 3, 6, 7, 16, 17, 40):
+                x = rng.standard_normal((m, w.shape[1])).astype(np.float32)
+                out = {}
+                for isa in ("avx2", "avx512vnni"):
+                    assert native.select_instruction_set(isa)
+                    out[isa] = np.asarray(qmatmul(x, panels, use_native=True))
+                np.testing.assert_array_equal(out["avx512vnni"], out["avx2"], f"{bits} bits, {m} rows")
     finally:
         native.select_instruction_set(best)
 
 
-def test_a_load_holds_its_k_matrices_in_panels_for_either_x(avx2, k_mix_file):  # noqa: F811
+def test_a_load_holds_its_k_matrices_in_panels_for_either_x(panel_isa, k_mix_file):  # noqa: F811
     """The Q4_K_M-like file's Q6_K matrices (the head, V, layer 0's experts' down
     projections) and Q4_K ones (the rest but the embedding): in panels, x on 16 bits
     giving the prompt's logits within 1e-4 of the row-major layouts' (whose one-row dots
@@ -157,7 +182,7 @@ def test_a_load_holds_its_k_matrices_in_panels_for_either_x(avx2, k_mix_file):  
 
 
 @pytest.mark.parametrize("activations", ["int16", "int8"])
-def test_a_tiered_pool_holds_its_experts_in_panels(avx2, k_mix_file, activations):  # noqa: F811
+def test_a_tiered_pool_holds_its_experts_in_panels(panel_isa, k_mix_file, activations):  # noqa: F811
     """Experts read from the file one by one into RAM and a pool of 2 slots: Q4_K's and
     Q6_K's and Q5_K's in panels as the resident model holds them, the same bytes, and the
     resident model's greedy tokens."""

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import chosen_kernels
 from gguf import GGMLQuantizationType as Q
 
 from motet.model import native, quant
@@ -197,13 +198,7 @@ def test_the_kernel_equals_the_xla_path(isa):
 def avx2():
     """The kernel's AVX2 build for the test (skipped where the CPU has none), the best
     one again after it."""
-    if not native.available():
-        pytest.skip("the native kernel was not built")
-    best = native.instruction_set()
-    if not native.select_instruction_set("avx2"):
-        pytest.skip("this CPU has no avx2")
-    yield
-    native.select_instruction_set(best)
+    yield from chosen_kernels("avx2")
 
 
 def test_the_avx2_dots_give_packed_k_scales_the_bits_of_widened_ones(avx2):
@@ -293,7 +288,7 @@ def test_the_default_model_stays_quantized_and_computes_what_float32_computes(de
     quantized, floats = default_models
     assert quantized.weight_format == "quantized" and floats.weight_format == "float32"
     formats = quantized.info()["tensor_formats"]
-    q4_1 = "Q4_1 in panels of 16 rows" if kernels_read_panels() else "Q4_1"  # AVX2's kernels read panels
+    q4_1 = "Q4_1 in panels of 16 rows" if kernels_read_panels() else "Q4_1"  # as the kernels read it
     assert formats["wqkv"]["formats"] == [q4_1] and formats["lm_head"]["formats"] == ["Q8_0"]
     # the file's 98 MB, against 538 MB of float32
     assert quantized.info()["weight_bytes"] < 130e6 < 500e6 < floats.info()["weight_bytes"]

@@ -124,6 +124,9 @@ def rows_at_once(rows: int | None = None) -> int:
 
 
 INSTRUCTION_SETS = ("avx512vnni", "avx512", "avx2", "base")
+# The instruction sets whose kernels read matrices held as panels (panels.py); the
+# others read rows, and refuse panels.
+READ_PANELS = ("avx512vnni", "avx2")
 # Where an instruction set's products take many rows of x as int16 pairs (AVX-512 VNNI,
 # AVX2), the one whose products keep those rows in float32:
 # tests and benchmarks score the two side by side.

@@ -1,6 +1,6 @@
 """The panel layouts (quant.py's p8 and p4): a matrix's rows 16 at a time, each panel's
-values, scales, mins and super entries reordered as the AVX2 kernels read them
-(kernels/panels_avx2.inc), every array keeping the row-major form's shape and bytes, so
+values, scales, mins and super entries reordered as the integer kernels read them
+(kernels/panels_avx2.inc, panels_vnni.inc), every array keeping the row-major form's shape and bytes, so
 whole panels of rows (and a stack's experts) slice as rows do. panels.py says where
 they are held."""
 

@@ -1,13 +1,14 @@
-"""Q6_K, Q5_K, Q4_K, Q4_1 and Q4_0 matrices held as the AVX2 kernels' panels
-(panel_layout.py's p8 and p4).
+"""Q6_K, Q5_K, Q4_K, Q4_1 and Q4_0 matrices held as the integer kernels' panels
+(panel_layout.py's p8 and p4), which AVX2's and AVX-512 VNNI's kernels read.
 
 The integer pairs read a matrix 16 rows at a time, four values of each row a dword
 (kernels/pairs_bytes_avx2.inc). Built from row-major bytes on every call, those panels
 took a fifth of the Q6_K head's 16-row product, and the one-row dots widen every byte
 to int16; held that way from the load, one `vpmaddubsw` takes 32 of the file's values
 as they lie, at one row of x as at many (kernels/panels_avx2.inc): x in int8 a byte a
-value, x on 16 bits as two planes of bytes. So every matrix of those types is held so
-where the kernels are AVX2's: all but the embedding of a Q4_K_M file, all but the tied
+value, x on 16 bits as two planes of bytes; AVX-512 VNNI's vpdpbusd takes 64 of them
+(kernels/panels_vnni.inc). So every matrix of those types is held so where the kernels
+are AVX2's or AVX-512 VNNI's: all but the embedding of a Q4_K_M file, all but the tied
 head of the default model. The values, scales and mins are the file's, reordered, and
 the bytes held do not change. No other kernel reads panels; the XLA path puts the rows
 back in order.
@@ -24,8 +25,9 @@ from .quant import QTensor
 
 
 def kernels_read_panels() -> bool:
-    """Whether this process's products go to kernels that read panels: AVX2's, on the CPU."""
-    return jax.default_backend() == "cpu" and native.instruction_set() == "avx2"
+    """Whether this process's products go to kernels that read panels: AVX2's or AVX-512
+    VNNI's, on the CPU."""
+    return jax.default_backend() == "cpu" and native.instruction_set() in native.READ_PANELS
 
 
 def takes_panels(w) -> bool:

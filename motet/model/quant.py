@@ -6,9 +6,9 @@ them), kept as one of two layouts:
   q4  values uint8 [..., N, K/2]: in each block of 32, byte i holds value i in its low
       nibble and value i + 16 in its high one; block 32
   q8  values int8 [..., N, K]; block 16 or 32
-  p8  a q8 matrix of Q6_K or Q5_K blocks as the AVX2 kernels' panels of 16 rows, and p4
-      a q4 one of Q4_K, Q4_1 or Q4_0 blocks (panel_layout.py; panels.py holds them so
-      where the AVX2 kernels run)
+  p8  a q8 matrix of Q6_K or Q5_K blocks as the integer kernels' panels of 16 rows, and
+      p4 a q4 one of Q4_K, Q4_1 or Q4_0 blocks (panel_layout.py; panels.py holds them so
+      where the AVX2 or AVX-512 VNNI kernels run)
 with scale [..., N, K/block] and, where the format has one, min likewise: a weight is
 q · scale + min. Scales and mins are as the file keeps them, so no value changes:
 float16 (Q4_0, Q4_1, Q8_0), or for the K types small integers (uint8, or int8 for Q6_K)
@@ -55,7 +55,8 @@ class QTensor:
     super_min: jax.Array | np.ndarray | None = None
     group: int = field(default=0, metadata=dict(static=True))
     # what the native products quantize x to: int16 per 32 values, or 8 (int8, as
-    # llama.cpp does) where a kernel has that form: AVX2's products of many rows over q4
+    # llama.cpp does) where a kernel has that form: every product over panels, and AVX2's
+    # of many rows over q4
     x_bits: int = field(default=16, metadata=dict(static=True))
 
     @property

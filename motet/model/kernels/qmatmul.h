@@ -9,7 +9,8 @@
 namespace motet_qmatmul {
 
 // P8 and P4: Q6_K's and Q5_K's int8 values and Q4_K's 4-bit ones held as the integer
-// pairs' panels of 16 rows (panels_avx2.inc), which only the AVX2 kernels read.
+// pairs' panels of 16 rows (panels_avx2.inc), which only the AVX2 and AVX-512 VNNI
+// kernels read (panels_vnni.inc).
 enum Kind : int { Q4 = 0, Q8 = 1, P8 = 2, P4 = 3 };
 constexpr bool four_bits(int kind) { return kind == Q4 || kind == P4; }
 

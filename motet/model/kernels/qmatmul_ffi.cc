@@ -20,21 +20,22 @@ struct Choice {
   motet_qmatmul::AttendImpl attend;
   motet_qmatmul::ChunkImpl attend_chunk;
   motet_qmatmul::SwigluImpl swiglu;
+  bool reads_panels;  // P8 and P4 (panels_avx2.inc, panels_vnni.inc)
 };
 
-#define MOTET_CHOICE(isa) \
+#define MOTET_CHOICE(isa, panels) \
   Choice{#isa, motet_qmatmul::isa::qmatmul, motet_qmatmul::isa::attend_rows, motet_qmatmul::isa::attend_chunk, \
-         motet_qmatmul::isa::swiglu}
+         motet_qmatmul::isa::swiglu, panels}
 
 Choice best_for_this_cpu() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    return __builtin_cpu_supports("avx512vnni") ? MOTET_CHOICE(avx512vnni) : MOTET_CHOICE(avx512);
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return MOTET_CHOICE(avx2);
+    return __builtin_cpu_supports("avx512vnni") ? MOTET_CHOICE(avx512vnni, true) : MOTET_CHOICE(avx512, false);
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return MOTET_CHOICE(avx2, true);
 #endif
-  return MOTET_CHOICE(base);
+  return MOTET_CHOICE(base, false);
 }
 
 Choice& chosen() {
@@ -119,7 +120,7 @@ ffi::Error matrix_of(const Matrix& m, int64_t k, int64_t index, const char* what
     return ffi::Error::InvalidArgument(bad);
   if (w.kind == motet_qmatmul::P8 || w.kind == motet_qmatmul::P4) {
     const char* unfit = motet_qmatmul::panels_unfit(w);
-    if (!unfit && std::strcmp(chosen().name, "avx2") != 0) unfit = "panels are read by the AVX2 kernels only";
+    if (!unfit && !chosen().reads_panels) unfit = "panels are read by the AVX2 and AVX-512 VNNI kernels only";
     if (unfit) return ffi::Error::InvalidArgument(std::string(what) + ": " + unfit);
   }
   return ffi::Error::Success();
@@ -385,12 +386,12 @@ int motet_qmatmul_select(const char* name) {
     if (std::strcmp(isa, best.name) == 0) reachable = true;
     if (reachable && std::strcmp(isa, name) == 0) {
 #if defined(__x86_64__)
-      if (std::strcmp(name, "avx512vnni") == 0) chosen() = MOTET_CHOICE(avx512vnni);
-      else if (std::strcmp(name, "avx512") == 0) chosen() = MOTET_CHOICE(avx512);
-      else if (std::strcmp(name, "avx2") == 0) chosen() = MOTET_CHOICE(avx2);
+      if (std::strcmp(name, "avx512vnni") == 0) chosen() = MOTET_CHOICE(avx512vnni, true);
+      else if (std::strcmp(name, "avx512") == 0) chosen() = MOTET_CHOICE(avx512, false);
+      else if (std::strcmp(name, "avx2") == 0) chosen() = MOTET_CHOICE(avx2, true);
       else
 #endif
-        chosen() = MOTET_CHOICE(base);
+        chosen() = MOTET_CHOICE(base, false);
       return 1;
     }
   }
