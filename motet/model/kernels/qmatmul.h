@@ -86,15 +86,19 @@ struct QWeights {
   int x_bits = 16;
 };
 
-// Why w (P8 or P4) is not what panels_avx2.inc reads, or null: whole panels of Q6_K
+// A panel's blocks a super entry covers, by the form of its factors: known to the
+// compiler, so a tile finds a block's entry by a shift (a division each block was in the
+// loop of a one-row product).
+constexpr int64_t panel_group(int form) { return form == SIGNED_BYTES ? 16 : form == BYTES ? 8 : 1; }
+
+// Why w (P8 or P4) is not what the panels' kernels read, or null: whole panels of Q6_K
 // blocks (P8, blocks of 16: int8 scales, a super entry per 16 blocks, no mins), Q5_K
 // (P8) or Q4_K (P4) ones (blocks of 32: byte scales and mins, a super entry each per 8),
 // or Q4_1 and Q4_0 ones (P4: half-float scales and mins), x in int8.
 inline const char* panels_unfit(const QWeights& w) {
   const bool six = w.kind == P8 && w.block == 16, halves = w.kind == P4 && w.packed_scale.form == HALVES;
   const int form = six ? SIGNED_BYTES : halves ? HALVES : BYTES;
-  if (w.n % 16 || w.block != (six ? 16 : 32) || w.packed_scale.form != form ||
-      w.packed_scale.group != (six ? 16 : halves ? 1 : 8) ||
+  if (w.n % 16 || w.block != (six ? 16 : 32) || w.packed_scale.form != form || w.packed_scale.group != panel_group(form) ||
       (six ? w.packed_min.form || w.min : w.packed_min.form != form))
     return "p8 and p4 are Q6_K, Q5_K, Q4_K, Q4_1 and Q4_0 blocks in 16-row panels";
   return nullptr;
