@@ -20,7 +20,7 @@ from motet.model.expert_pool import ExpertPool
 from motet.model.gguf_quants import REPACK
 from motet.model.panel_layout import as_panels, rows_of_panels
 from motet.model.panels import takes_panels
-from motet.model.quant import pick_rows, qmatmul
+from motet.model.quant import pick_rows, plain, qmatmul
 from motet.model.tiered_model import TieredModel
 from motet.model.weights import weight_formats
 
@@ -45,12 +45,23 @@ def q4_0(rows: int, cols: int, seed: int = 3):
     return REPACK["Q4_0"](random_blocks("Q4_0", rows, cols, seed=seed))
 
 
+def q8_0(rows: int, cols: int, seed: int = 3):
+    return REPACK["Q8_0"](random_blocks("Q8_0", rows, cols, seed=seed))
+
+
+def read_here(make, isa: str) -> None:
+    """Skips a test of Q8_0's panels where the kernels are AVX2's, which do not read them."""
+    if make is q8_0 and isa != "avx512vnni":
+        pytest.skip("only AVX-512 VNNI's kernels read Q8_0's panels")
+
+
 ARRAYS = ("values", "scale", "min", "super_scale", "super_min")
 SPLIT_STEPS = 32639  # x_bits 16 over panels: kernels/quantize_x.inc's SPLIT_TOP
 STEPS = {8: 127, 16: SPLIT_STEPS}
 
 
-@pytest.mark.parametrize("make, layout", [(q6_k, "p8"), (q5_k, "p8"), (q4_k, "p4"), (q4_1, "p4"), (q4_0, "p4")])
+@pytest.mark.parametrize("make, layout",
+                         [(q6_k, "p8"), (q5_k, "p8"), (q4_k, "p4"), (q4_1, "p4"), (q4_0, "p4"), (q8_0, "p8")])
 def test_panels_hold_the_same_values_and_scales_in_the_same_bytes(make, layout):
     w = make(48, 512)
     panels = as_panels(w)
@@ -61,7 +72,7 @@ def test_panels_hold_the_same_values_and_scales_in_the_same_bytes(make, layout):
         if getattr(w, name) is not None:
             np.testing.assert_array_equal(np.asarray(getattr(back, name)), np.asarray(getattr(w, name)), name)
     np.testing.assert_array_equal(dequantize_host(back), dequantize_host(w))
-    assert takes_panels(w) and not takes_panels(make(40, 512))  # whole panels only
+    assert takes_panels(w, "avx512vnni") and not takes_panels(make(40, 512), "avx512vnni")  # whole panels only
     with pytest.raises(ValueError, match="holds its rows in panels of 16"):
         pick_rows(panels, np.array([0, 3]))
 
@@ -74,18 +85,23 @@ def test_where_panels_put_each_value():
     # p4: a block's first 32 bytes are columns 0-7's values 0-3 (low nibbles) and 16-19
     # (high): a q4 block's bytes 0-3 hold both already
     np.testing.assert_array_equal(p4[0, :32], v.values[:8, :4].ravel())
-    assert not takes_panels(REPACK["Q8_0"](random_blocks("Q8_0", 48, 512)))
-    assert takes_panels(REPACK["Q4_1"](random_blocks("Q4_1", 48, 512)))
+    # Q8_0: its int8 values plus 128, in panels only for AVX-512 VNNI's kernels
+    e = q8_0(48, 512)
+    np.testing.assert_array_equal(as_panels(e).values[16, :8], (e.values[16:18, :4].astype(np.int16) + 128).ravel())
+    assert takes_panels(e, "avx512vnni") and not takes_panels(e, "avx2")
+    assert takes_panels(REPACK["Q4_1"](random_blocks("Q4_1", 48, 512)), "avx2")
 
 
 @pytest.mark.parametrize("bits", [8, 16])
-@pytest.mark.parametrize("make", [q6_k, q5_k, q4_k, q4_1, q4_0])
+@pytest.mark.parametrize("make", [q6_k, q5_k, q4_k, q4_1, q4_0, q8_0])
 def test_panel_products_are_exact_on_x_as_rounded_at_any_number_of_rows(panel_isa, make, bits):
     """One row (a decode step), a few, a 16-row step and a prefill's many: each the
     float64 product of x as the kernel rounds it (int8, or 16 bits: split into two bytes,
     or whole past 16 rows, where the panels are widened into int16 pairs);
     the XLA path (which reorders the panels back) computes the unrounded product, off by
-    that rounding: about 1e-2 of the largest output for int8, under 1e-4 for 16 bits."""
+    that rounding: about 1e-2 of the largest output for int8, under 1e-4 for 16 bits.
+    Q8_0's bytes hold 128 over its values, taken off each plane's integer sums."""
+    read_here(make, panel_isa)
     w = make(96, 512)
     panels = jax.device_put(replace(as_panels(w), x_bits=bits))
     rng = np.random.default_rng(5)
@@ -100,10 +116,11 @@ def test_panel_products_are_exact_on_x_as_rounded_at_any_number_of_rows(panel_is
         assert (1e-3 < off < 3e-2) if bits == 8 else (1e-7 < off < 1e-4), (m, off)
 
 
-@pytest.mark.parametrize("make", [q6_k, q5_k, q4_k, q4_1, q4_0])
+@pytest.mark.parametrize("make", [q6_k, q5_k, q4_k, q4_1, q4_0, q8_0])
 def test_a_stack_of_experts_in_panels_gives_each_experts_product(panel_isa, make):
     """A MoE layer's experts, [E, N, K]: each expert's matrix in panels of its own, read
     in place by the stacked product (and likewise by the experts' kernel)."""
+    read_here(make, panel_isa)
     experts = [make(32, 256, seed=e) for e in range(3)]
     stack = jax.tree.map(lambda *leaves: np.stack(leaves), *experts)
     panels = jax.device_put(as_panels(stack))
@@ -121,9 +138,12 @@ def test_a_stack_of_experts_in_panels_gives_each_experts_product(panel_isa, make
 def test_the_kernels_refuse_panels_where_they_do_not_read_them(panel_isa):
     panels = jax.device_put(as_panels(q6_k(32, 256)))
     x = np.ones((1, 256), np.float32)
-    with pytest.raises(Exception, match="in 16-row panels"):  # Q8_0's blocks do not go in panels
-        q8_0 = REPACK["Q8_0"](random_blocks("Q8_0", 32, 256))
-        qmatmul(x, jax.device_put(replace(q8_0, layout="p8")), use_native=True).block_until_ready()
+    with pytest.raises(Exception, match="in 16-row panels"):  # scales widened to float32 do not go in panels
+        qmatmul(x, jax.device_put(replace(plain(q4_k(32, 256)), layout="p4")), use_native=True).block_until_ready()
+    eight_bits = jax.device_put(as_panels(q8_0(32, 256)))
+    if panel_isa == "avx2":  # its vpmaddubsw would saturate on Q8_0's bytes
+        with pytest.raises(Exception, match="Q8_0 in panels is read by the AVX-512 VNNI kernels only"):
+            qmatmul(x, eight_bits, use_native=True).block_until_ready()
     try:
         for other in ("avx512", "base"):  # the kernels that read rows
             if native.select_instruction_set(other):

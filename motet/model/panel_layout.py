@@ -15,6 +15,12 @@ PANEL_ROWS = 16
 LAYOUT_OF = {"q8": "p8", "q4": "p4"}
 
 
+def lift(source: str) -> int:
+    """What a p8 matrix's bytes hold above its values: 32 over six bits (Q6_K's [-32, 31],
+    Q5_K's [0, 31]), 128 over Q8_0's whole int8."""
+    return 128 if source == "Q8_0" else 32
+
+
 def _panel_order(a, lead, n):
     """Entries [..., n, E] (scales, mins, super entries) as [..., panel][E][16]."""
     if a is None:
@@ -26,9 +32,9 @@ def _panel_order(a, lead, n):
 
 
 def as_panels(w):
-    """A q8 matrix of Q6_K or Q5_K blocks (or a stack of them) as p8, or a q4 one of Q4_K,
-    Q4_1 or Q4_0 blocks as p4, on the host. Panel p is rows 16p to 16p + 15:
-      p8  values [K/4][16] dwords, four values of a row plus 32 (as unsigned bytes)
+    """A q8 matrix of Q6_K, Q5_K or Q8_0 blocks (or a stack of them) as p8, or a q4 one of
+    Q4_K, Q4_1 or Q4_0 blocks as p4, on the host. Panel p is rows 16p to 16p + 15:
+      p8  values [K/4][16] dwords, four values of a row plus their lift (as unsigned bytes)
       p4  values a block of 32 at a time, [j 4][h 2][column 8][4] bytes: quad j (values 4j
           to 4j + 3) of columns 8h to 8h + 7 in the low nibbles, quad j + 4 in the high
     and scales, mins [K/block][16] and super entries [K/block/group][16]."""
@@ -40,7 +46,7 @@ def as_panels(w):
     if w.layout == "q8":  # [panels, column, K/4] to [panels, K/4, column]
         held = np.ascontiguousarray(dwords.reshape(*lead, panels, PANEL_ROWS, row_bytes // 4).swapaxes(-1, -2))
         held = held.view(np.uint8).reshape(*lead, n, row_bytes)
-        held += np.uint8(32)  # values of six bits [-32, 31] (Q5_K's [0, 31]) as bytes up to 63
+        held += np.uint8(lift(w.source))  # as unsigned bytes: up to 63 over six bits, 255 over eight
     else:  # [panels, h, column, block, j] to [panels, block, j, h, column]
         d = dwords.reshape(*lead, panels, 2, 8, row_bytes // 16, 4)
         order = (*range(len(lead)), *(len(lead) + i for i in (0, 3, 4, 1, 2)))
@@ -62,9 +68,9 @@ def rows_of_panels(w):
         entries = a.shape[-1]
         return a.reshape(*lead, panels, entries, PANEL_ROWS).swapaxes(-1, -2).reshape(*lead, n, entries)
 
-    if w.layout == "p8":  # [K/4][16] dwords of four values plus 32
+    if w.layout == "p8":  # [K/4][16] dwords of four values plus their lift
         v = w.values.reshape(*lead, panels, k // 4, PANEL_ROWS, 4).swapaxes(-3, -2).reshape(*lead, n, k)
-        values, layout = (v.astype(np.int16) - 32).astype(np.int8), "q8"
+        values, layout = (v.astype(np.int16) - lift(w.source)).astype(np.int8), "q8"
     else:  # a block of 32: [j 4][h 2][column 8][4] bytes, quad j low, quad j + 4 high
         blocks = k // 16  # k is bytes here, two values each
         v = w.values.reshape(*lead, panels, blocks, 4, 2, 8, 4)

@@ -1,5 +1,6 @@
 """Q6_K, Q5_K, Q4_K, Q4_1 and Q4_0 matrices held as the integer kernels' panels
-(panel_layout.py's p8 and p4), which AVX2's and AVX-512 VNNI's kernels read.
+(panel_layout.py's p8 and p4), which AVX2's and AVX-512 VNNI's kernels read, and Q8_0
+ones, which AVX-512 VNNI's read.
 
 The integer pairs read a matrix 16 rows at a time, four values of each row a dword
 (kernels/pairs_bytes_avx2.inc). Built from row-major bytes on every call, those panels
@@ -30,13 +31,18 @@ def kernels_read_panels() -> bool:
     return jax.default_backend() == "cpu" and native.instruction_set() in native.READ_PANELS
 
 
-def takes_panels(w) -> bool:
-    """Whether w can be held in panels: a matrix, or a stack of experts' matrices, in whole
-    panels of Q6_K blocks (p8: int8 scales per 16 values, a float per 256), Q5_K ones (p8:
-    byte scales and mins per 32, a float each per 256), Q4_K ones (p4, likewise), or Q4_1
-    and Q4_0 ones (p4: half-float scales and mins per 32)."""
+def takes_panels(w, isa: str | None = None) -> bool:
+    """Whether w can be held in panels for the kernels of `isa` (None: this process's): a
+    matrix, or a stack of experts' matrices, in whole panels of Q6_K blocks (p8: int8
+    scales per 16 values, a float per 256), Q5_K ones (p8: byte scales and mins per 32, a
+    float each per 256), Q4_K ones (p4, likewise), Q4_1 and Q4_0 ones (p4: half-float
+    scales and mins per 32), or, for AVX-512 VNNI's, Q8_0 ones (p8: half-float scales per
+    32; AVX2's vpmaddubsw would saturate on its bytes)."""
     if not isinstance(w, QTensor) or w.values.shape[-2] % PANEL_ROWS:
         return False
+    if w.layout == "q8" and w.source == "Q8_0":
+        eight_bits = (native.instruction_set() if isa is None else isa) == "avx512vnni"
+        return eight_bits and w.block == 32 and w.min is None and np.dtype(w.scale.dtype) == np.dtype(np.float16)
     if w.layout == "q4" and w.source in ("Q4_0", "Q4_1"):  # p4 with half-float scales and mins
         return w.min is not None and {np.dtype(w.scale.dtype), np.dtype(w.min.dtype)} == {np.dtype(np.float16)}
     if w.super_scale is None:

@@ -91,16 +91,22 @@ struct QWeights {
 // loop of a one-row product).
 constexpr int64_t panel_group(int form) { return form == SIGNED_BYTES ? 16 : form == BYTES ? 8 : 1; }
 
+// Whether w is Q8_0 held as panels (P8 with half-float scales): its int8 values plus 128,
+// whose products AVX2's vpmaddubsw would saturate, so only AVX-512 VNNI's read them.
+inline bool eight_bit_panels(const QWeights& w) { return w.kind == P8 && w.packed_scale.form == HALVES; }
+
 // Why w (P8 or P4) is not what the panels' kernels read, or null: whole panels of Q6_K
 // blocks (P8, blocks of 16: int8 scales, a super entry per 16 blocks, no mins), Q5_K
 // (P8) or Q4_K (P4) ones (blocks of 32: byte scales and mins, a super entry each per 8),
-// or Q4_1 and Q4_0 ones (P4: half-float scales and mins), x in int8.
+// Q4_1 and Q4_0 ones (P4: half-float scales and mins), or Q8_0 ones (P8: half-float
+// scales, no mins).
 inline const char* panels_unfit(const QWeights& w) {
-  const bool six = w.kind == P8 && w.block == 16, halves = w.kind == P4 && w.packed_scale.form == HALVES;
+  const bool six = w.kind == P8 && w.block == 16, halves = w.packed_scale.form == HALVES;
+  const bool no_mins = six || (w.kind == P8 && halves);
   const int form = six ? SIGNED_BYTES : halves ? HALVES : BYTES;
   if (w.n % 16 || w.block != (six ? 16 : 32) || w.packed_scale.form != form || w.packed_scale.group != panel_group(form) ||
-      (six ? w.packed_min.form || w.min : w.packed_min.form != form))
-    return "p8 and p4 are Q6_K, Q5_K, Q4_K, Q4_1 and Q4_0 blocks in 16-row panels";
+      (no_mins ? w.packed_min.form || w.min : w.packed_min.form != form))
+    return "p8 and p4 are Q6_K, Q5_K, Q4_K, Q4_1, Q4_0 and Q8_0 blocks in 16-row panels";
   return nullptr;
 }
 

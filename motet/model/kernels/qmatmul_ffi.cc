@@ -14,13 +14,17 @@ using motet_qmatmul::QWeights;
 
 namespace {
 
+// Which panels (qmatmul.h's P8, P4) an instruction set's kernels read: none, all but
+// Q8_0's (AVX2: panels_avx2.inc), or all (AVX-512 VNNI: panels_vnni.inc).
+enum Panels : int { NO_PANELS, SMALL_PANELS, ALL_PANELS };
+
 struct Choice {
   const char* name;
   Impl impl;
   motet_qmatmul::AttendImpl attend;
   motet_qmatmul::ChunkImpl attend_chunk;
   motet_qmatmul::SwigluImpl swiglu;
-  bool reads_panels;  // P8 and P4 (panels_avx2.inc, panels_vnni.inc)
+  int panels;  // the panels it reads: NO_PANELS, SMALL_PANELS (all but Q8_0's) or ALL_PANELS
 };
 
 #define MOTET_CHOICE(isa, panels) \
@@ -32,10 +36,10 @@ Choice best_for_this_cpu() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    return __builtin_cpu_supports("avx512vnni") ? MOTET_CHOICE(avx512vnni, true) : MOTET_CHOICE(avx512, false);
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return MOTET_CHOICE(avx2, true);
+    return __builtin_cpu_supports("avx512vnni") ? MOTET_CHOICE(avx512vnni, ALL_PANELS) : MOTET_CHOICE(avx512, NO_PANELS);
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return MOTET_CHOICE(avx2, SMALL_PANELS);
 #endif
-  return MOTET_CHOICE(base, false);
+  return MOTET_CHOICE(base, NO_PANELS);
 }
 
 Choice& chosen() {
@@ -120,7 +124,9 @@ ffi::Error matrix_of(const Matrix& m, int64_t k, int64_t index, const char* what
     return ffi::Error::InvalidArgument(bad);
   if (w.kind == motet_qmatmul::P8 || w.kind == motet_qmatmul::P4) {
     const char* unfit = motet_qmatmul::panels_unfit(w);
-    if (!unfit && !chosen().reads_panels) unfit = "panels are read by the AVX2 and AVX-512 VNNI kernels only";
+    if (!unfit && chosen().panels == NO_PANELS) unfit = "panels are read by the AVX2 and AVX-512 VNNI kernels only";
+    if (!unfit && chosen().panels == SMALL_PANELS && motet_qmatmul::eight_bit_panels(w))
+      unfit = "Q8_0 in panels is read by the AVX-512 VNNI kernels only";
     if (unfit) return ffi::Error::InvalidArgument(std::string(what) + ": " + unfit);
   }
   return ffi::Error::Success();
@@ -386,12 +392,12 @@ int motet_qmatmul_select(const char* name) {
     if (std::strcmp(isa, best.name) == 0) reachable = true;
     if (reachable && std::strcmp(isa, name) == 0) {
 #if defined(__x86_64__)
-      if (std::strcmp(name, "avx512vnni") == 0) chosen() = MOTET_CHOICE(avx512vnni, true);
-      else if (std::strcmp(name, "avx512") == 0) chosen() = MOTET_CHOICE(avx512, false);
-      else if (std::strcmp(name, "avx2") == 0) chosen() = MOTET_CHOICE(avx2, true);
+      if (std::strcmp(name, "avx512vnni") == 0) chosen() = MOTET_CHOICE(avx512vnni, ALL_PANELS);
+      else if (std::strcmp(name, "avx512") == 0) chosen() = MOTET_CHOICE(avx512, NO_PANELS);
+      else if (std::strcmp(name, "avx2") == 0) chosen() = MOTET_CHOICE(avx2, SMALL_PANELS);
       else
 #endif
-        chosen() = MOTET_CHOICE(base, false);
+        chosen() = MOTET_CHOICE(base, NO_PANELS);
       return 1;
     }
   }
