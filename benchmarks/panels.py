@@ -1,10 +1,11 @@
 """Panels against rows, side by side in one process: a model as loaded (its Q6_K, Q5_K,
-Q4_K, Q4_1 and Q4_0 matrices held as the AVX2 kernels' panels, motet/model/panels.py)
+Q4_K, Q4_1 and Q4_0 matrices held as panels where the kernels are AVX2's or AVX-512
+VNNI's, and its Q8_0 ones too where they are AVX-512 VNNI's: motet/model/panels.py)
 against the same model with every panel put back in row order, x rounded alike in both
 (`--activations`: int16, the default's 16 bits, or int8), each timed in turn, round
 after round. Per round: a one-row and a 16-row decode step over 16 slots prefilled with
-256 tokens each, and a 512-token prefill. Needs the AVX2 kernels (on other CPUs nothing
-is held in panels). Not part of CI.
+256 tokens each, and a 512-token prefill. Needs kernels that read panels (elsewhere
+nothing is held in panels). Not part of CI.
 
     .venv/bin/python benchmarks/panels.py [--file moe-q4km|PATH] [--activations int16|int8] [--rounds 7]
 
@@ -55,7 +56,8 @@ def main(argv=None) -> int:
     held = sorted({w.layout for w in jax.tree.leaves(panels.weights, is_leaf=lambda t: isinstance(t, QTensor))
                    if isinstance(w, QTensor)})
     if not set(held) & set(PANELS):
-        print(f"nothing is held in panels here (layouts {held}): only the AVX2 kernels read them", file=sys.stderr)
+        print(f"nothing is held in panels here (layouts {held}): only the AVX2 and AVX-512 VNNI kernels read them",
+              file=sys.stderr)
         return 1
     models = {"rows": replace(panels, weights=in_rows(panels.weights)), "panels": panels}
     cfg = panels.config

@@ -7,7 +7,9 @@ do), beside XLA's sum of a 200 MB float32 array (the machine's own read bandwidt
 every core XLA uses). The types: Q8_0 and Q4_1 (f16 scales), and Q4_K and Q6_K twice,
 with their scales packed as the file has them and widened to float32 (quant.plain).
 With AVX-512, one-row products are measured twice on the same matrices: four weight
-rows a pass ("4 a pass"), and one ("1 a pass", what AMD's CPUs run).
+rows a pass ("4 a pass"), and one ("1 a pass", what AMD's CPUs run). Where the kernels
+read panels (AVX-512 VNNI's, AVX2's: panels.py), the types a load holds in panels are
+measured so too ("in panels", at every count of rows), as a model's products read them.
 
     .venv/bin/python benchmarks/stream.py [--rows 1,4,16] [--repeats 4]
 
@@ -28,6 +30,9 @@ import numpy as np
 
 from motet.model import native
 from motet.model.gguf_quants import REPACK
+from motet.model.native import READ_PANELS
+from motet.model.panel_layout import as_panels
+from motet.model.panels import takes_panels
 from motet.model.quant import plain, qmatmul
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -37,6 +42,7 @@ ROWS, COLS, MATRICES = 49152, 512, 8
 # (label, type, scales widened to float32)
 FORMS = [("Q8_0", "Q8_0", False), ("Q4_1", "Q4_1", False), ("Q4_K", "Q4_K", False),
          ("Q4_K float32 scales", "Q4_K", True), ("Q6_K", "Q6_K", False), ("Q6_K float32 scales", "Q6_K", True)]
+PANEL_TYPES = ("Q8_0", "Q4_1", "Q4_K", "Q6_K")  # where the instruction set takes them in panels
 
 
 def best_seconds(run, repeats: int) -> float:
@@ -49,11 +55,12 @@ def best_seconds(run, repeats: int) -> float:
     return best
 
 
-def product_figures(kind: str, widened: bool, rows: int, repeats: int, passes: tuple[int, ...]) -> dict:
+def product_figures(kind: str, widened: bool, rows: int, repeats: int, passes: tuple[int, ...],
+                    panels: bool = False) -> dict:
     """Per number of weight rows the AVX-512 one-row dots take a pass (`passes`, measured
     in turn on the same matrices; 0: as the CPU's vendor says), cached and streamed."""
     matrices = [REPACK[kind](random_blocks(kind, ROWS, COLS, seed=i)) for i in range(MATRICES)]
-    matrices = [jax.device_put(plain(w) if widened else w) for w in matrices]
+    matrices = [jax.device_put(plain(w) if widened else as_panels(w) if panels else w) for w in matrices]
     x = jax.device_put(np.random.default_rng(0).standard_normal((rows, COLS)).astype(np.float32))
     product = jax.jit(lambda x, w: qmatmul(x, w))
     size = matrices[0].nbytes
@@ -102,6 +109,13 @@ def main(argv=None) -> int:
                     for rows_a_pass, f in figures.items():
                         name = isa + (f" {rows_a_pass} a pass" if rows_a_pass else "")
                         result["kernel"].setdefault(name, {})[f"{label}, {rows} rows"] = f
+            if isa not in READ_PANELS:
+                continue
+            for rows in map(int, args.rows.split(",")):
+                for kind in PANEL_TYPES:
+                    if takes_panels(REPACK[kind](random_blocks(kind, 16, COLS)), isa):
+                        f = product_figures(kind, False, rows, args.repeats, (0,), panels=True)[0]
+                        result["kernel"].setdefault(isa, {})[f"{kind} in panels, {rows} rows"] = f
     finally:
         native.select_instruction_set(best)
     print(json.dumps(result, indent=1))
